@@ -1,0 +1,39 @@
+# Two entry points a fresh machine needs (see README):
+#   make demo   set up, then run the tiny end-to-end job (data -> ZeRO-3 training on 2 CPU processes -> export -> eval)
+#   make test   set up, then run the test suite
+# `make setup` is idempotent: it creates .venv and installs the pinned CPU stack.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# JIT-compiled DeepSpeed CPU ops (shm comm) are cached here between runs.
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.torch_extensions
+export DS_ACCELERATOR ?= cpu
+
+.PHONY: setup system-deps demo test lint
+
+$(VENV)/.installed: pyproject.toml constraints/cpu.txt
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first and pinned: anything unpinned would pull a multi-GB CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	DS_BUILD_OPS=0 $(PY) -m pip install -q -c constraints/cpu.txt -e ".[dev]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+# Debian packages the SLURM tests need (a real one-node cluster is started by the tests).
+system-deps:
+	@if command -v slurmctld >/dev/null && command -v munged >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge >/dev/null; \
+	else echo "note: slurm-wlm/munge not installed and not root: SLURM tests will be skipped"; fi
+
+demo: setup
+	$(PY) launch/quickstart.py
+
+test: setup system-deps
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/python -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
