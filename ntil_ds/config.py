@@ -1,0 +1,339 @@
+"""One typed configuration tree for a training run.
+
+Precedence: dataclass defaults < YAML recipe < command-line ``key=value`` overrides.
+Loading is strict: an unknown key, a value of the wrong type or a value outside a fixed set of choices
+is an error that names the key (with a "did you mean" hint), raised before any process group,
+model or data is touched. There is deliberately no ``cfg.get(key, default)`` anywhere: every field
+exists, typed, with its default written once, here.
+
+Checks that need the world size (batch divisibility) or another file (the DeepSpeed JSON) live with
+the code that knows those things, and raise :class:`ConfigError` too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A recipe or override is wrong; the message names the key and says how to fix it."""
+
+
+@dataclass
+class ModelConfig:
+    # A Hugging Face hub id or a local folder. With init="random" only its config.json and processor
+    # files are read (the tiny CI/demo models are folders written by launch/make_tiny_model.py).
+    name_or_path: str = ""
+    init: Literal["pretrained", "random"] = "pretrained"
+    # "auto" picks AutoModelForImageTextToText when the config has a vision part, else CausalLM.
+    kind: Literal["auto", "mllm", "llm"] = "auto"
+    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    # "auto": flash_attention_2 when flash-attn is importable (and CUDA is there), else sdpa.
+    attn_implementation: Literal["auto", "flash_attention_2", "sdpa", "eager"] = "auto"
+    gradient_checkpointing: bool = False
+    freeze_vision_tower: bool = False
+    freeze_projector: bool = False
+    freeze_language_model: bool = False
+    trust_remote_code: bool = False
+    # Where the processor/tokenizer comes from; empty means name_or_path.
+    processor: str = ""
+
+
+@dataclass
+class LossConfig:
+    # ntil: CE + NTIL (the paper); ce: plain cross-entropy (NTIL parts still logged, no gradient);
+    # emd: NTIL without its sequence-level terms (the paper's EMD-only baseline).
+    name: Literal["ntil", "ce", "emd"] = "ntil"
+    ntil_lambda: float = 0.3
+    digit_alpha: float = 1.0
+    abs_alpha: float = 0.2
+    mag_alpha: float = 0.2
+    digit_exp: float = 1.2
+    gumbel_tau: float = 0.1
+    gumbel_noise_scale: float = 0.01
+    decimal_numbers: bool = False
+    signed_numbers: bool = False
+
+
+@dataclass
+class DataConfig:
+    train_file: str = ""
+    eval_file: str = ""  # empty: no evaluation during training
+    max_seq_len: int = 2048
+    on_bad_sample: Literal["error", "skip"] = "error"
+    shuffle: bool = True
+    num_workers: int = 0
+    # ZeRO-3 needs every rank to run the vision tower each step: a micro-batch without an image gets a
+    # tiny fake one, masked out of attention and labels.
+    fake_image: bool = True
+
+
+@dataclass
+class OptimConfig:
+    # adamw: DeepSpeed's fused AdamW (compiled at first use); adamw_torch: DeepSpeed's AdamW entry with
+    # torch_adam=true (nothing compiles: the CPU choice); adamw_8bit: bitsandbytes AdamW8bit.
+    name: Literal["adamw", "adamw_torch", "adamw_8bit"] = "adamw"
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0  # cosine decays to lr * min_lr_ratio at train.max_steps
+    grad_clip: float = 1.0  # 0 disables clipping
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 100  # optimizer steps
+    micro_batch_size: int = 1  # per data-parallel rank, per forward
+    # Sequences per optimizer step over all data-parallel ranks; gradient accumulation is derived:
+    # global_batch_size / (micro_batch_size * data_parallel_size), which must divide exactly.
+    global_batch_size: int = 8
+    seed: int = 42
+    log_every: int = 1
+    eval_every: int = 0  # 0: no evaluation during training
+    save_every: int = 0  # 0: only at the end
+    keep_last: int = 2  # checkpoints kept on disk (the newest ones)
+    export_at_end: bool = True  # write a Hugging Face folder to <output_dir>/export
+
+
+@dataclass
+class TrackingConfig:
+    enabled: bool = True
+    # Empty: MLFLOW_TRACKING_URI if set, else sqlite:///<output_dir>/mlflow.db (embedded store).
+    uri: str = ""
+    experiment: str = "ntil-ds"
+    run_name: str = ""  # empty: derived from the recipe name and start time
+    # True: an unreachable tracking server at start is an error. False: training goes on and metrics
+    # are buffered/written to a local fallback store.
+    required: bool = False
+    system_metrics: bool = False
+    log_model: bool = False  # log the exported Hugging Face folder as an artifact
+
+
+@dataclass
+class Config:
+    output_dir: str = "outputs/run"
+    # DeepSpeed tuning JSON (ZeRO stage, offload, buckets, tensor parallel). Batch sizes, accumulation,
+    # clipping, precision and the optimizer come from this recipe; a JSON that contradicts them is an
+    # error.
+    deepspeed: str = "configs/deepspeed/zero3.json"
+    # auto: newest complete checkpoint in output_dir if any, else start fresh; none; or a checkpoint path.
+    resume: str = "auto"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Loading
+
+
+def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Build a :class:`Config` from a YAML recipe (or only defaults if ``path`` is None) and overrides.
+
+    Each override is ``dotted.key=value``; the value is parsed as YAML (``true``, ``3``, ``1e-5``,
+    ``[1, 2]``, strings as they are).
+    """
+    raw: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"recipe {path} does not exist (give a YAML file from configs/train/)")
+        with path.open() as f:
+            loaded = yaml.safe_load(f)
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"recipe {path} must be a YAML mapping, got {type(loaded).__name__}")
+        raw = loaded
+    for override in overrides:
+        _apply_override(raw, override)
+    cfg = _build(Config, raw, prefix="")
+    validate(cfg)
+    return cfg
+
+
+def _apply_override(raw: dict[str, Any], override: str) -> None:
+    key, sep, text = override.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(f"override {override!r} must look like key=value, e.g. train.max_steps=10")
+    parts = key.split(".")
+    node = raw
+    for i, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {override!r}: {'.'.join(parts[: i + 1])} is not a section")
+        node = child
+    node[parts[-1]] = yaml.safe_load(text) if text.strip() else ""
+
+
+def _build(cls: type, raw: Any, prefix: str) -> Any:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'the recipe'} must be a mapping of keys, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = [k for k in raw if k not in fields]
+    if unknown:
+        key = unknown[0]
+        close = difflib.get_close_matches(str(key), list(fields), n=1)
+        hint = f"; did you mean {prefix}{close[0]!r}?" if close else ""
+        raise ConfigError(
+            f"unknown config key {prefix}{key!r}{hint} (valid keys here: {', '.join(sorted(fields))})"
+        )
+    values: dict[str, Any] = {}
+    for name, value in raw.items():
+        key = f"{prefix}{name}"
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            values[name] = _build(hint, value if value is not None else {}, prefix=f"{key}.")
+        else:
+            values[name] = _coerce(value, hint, key)
+    return cls(**values)
+
+
+def _coerce(value: Any, hint: Any, key: str) -> Any:
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        choices = typing.get_args(hint)
+        if value not in choices:
+            raise ConfigError(f"{key}={value!r} is not one of {', '.join(map(repr, choices))}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        errors = []
+        for option in typing.get_args(hint):
+            if option is type(None):
+                if value is None:
+                    return None
+                continue
+            try:
+                return _coerce(value, option, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{key} must not be empty")
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}={value!r} must be true or false")
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}={value!r} must be an integer")
+    if hint is float:
+        # YAML 1.1 reads "1e-5" (no dot) as a string: accept any numeric spelling.
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{key}={value!r} must be a number")
+    if hint is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{key}={value!r} must be a string (quote it in YAML)")
+    raise TypeError(f"config field {key} has an unsupported type {hint!r}")  # a bug in this file
+
+
+# ----------------------------------------------------------------------------------------------------
+# Validation that needs only the config itself
+
+
+def validate(cfg: Config) -> None:
+    """Cross-field checks. World-size dependent checks: :func:`gradient_accumulation_steps`."""
+    if not cfg.model.name_or_path:
+        raise ConfigError("model.name_or_path is required (a hub id or a local model folder)")
+    if not cfg.data.train_file:
+        raise ConfigError("data.train_file is required (a JSONL file; see docs/data.md)")
+    positive = {
+        "train.max_steps": cfg.train.max_steps,
+        "train.micro_batch_size": cfg.train.micro_batch_size,
+        "train.global_batch_size": cfg.train.global_batch_size,
+        "train.log_every": cfg.train.log_every,
+        "train.keep_last": cfg.train.keep_last,
+        "data.max_seq_len": cfg.data.max_seq_len,
+    }
+    for key, value in positive.items():
+        if value <= 0:
+            raise ConfigError(f"{key}={value} must be > 0")
+    non_negative = {
+        "train.eval_every": cfg.train.eval_every,
+        "train.save_every": cfg.train.save_every,
+        "optim.warmup_steps": cfg.optim.warmup_steps,
+        "optim.grad_clip": cfg.optim.grad_clip,
+        "optim.weight_decay": cfg.optim.weight_decay,
+        "loss.ntil_lambda": cfg.loss.ntil_lambda,
+        "data.num_workers": cfg.data.num_workers,
+    }
+    for key, value in non_negative.items():
+        if value < 0:
+            raise ConfigError(f"{key}={value} must be >= 0")
+    if cfg.optim.lr <= 0:
+        raise ConfigError(f"optim.lr={cfg.optim.lr} must be > 0")
+    if not 0.0 <= cfg.optim.min_lr_ratio <= 1.0:
+        raise ConfigError(f"optim.min_lr_ratio={cfg.optim.min_lr_ratio} must be in [0, 1]")
+    if cfg.optim.warmup_steps > cfg.train.max_steps:
+        raise ConfigError(
+            f"optim.warmup_steps={cfg.optim.warmup_steps} exceeds train.max_steps={cfg.train.max_steps}"
+        )
+    if cfg.train.eval_every and not cfg.data.eval_file:
+        raise ConfigError("train.eval_every > 0 needs data.eval_file (or set train.eval_every=0)")
+    if cfg.model.freeze_vision_tower and cfg.model.freeze_projector and cfg.model.freeze_language_model:
+        raise ConfigError("model.freeze_* are all true: nothing would train")
+
+
+def gradient_accumulation_steps(cfg: Config, data_parallel_size: int) -> int:
+    """global_batch_size / (micro_batch_size * data-parallel ranks), which must be a whole number."""
+    per_pass = cfg.train.micro_batch_size * data_parallel_size
+    if cfg.train.global_batch_size % per_pass:
+        raise ConfigError(
+            f"train.global_batch_size={cfg.train.global_batch_size} is not divisible by "
+            f"train.micro_batch_size={cfg.train.micro_batch_size} x {data_parallel_size} data-parallel "
+            f"ranks = {per_pass}; choose a global batch that is a multiple of {per_pass}"
+        )
+    return cfg.train.global_batch_size // per_pass
+
+
+# ----------------------------------------------------------------------------------------------------
+# Output
+
+
+def to_dict(cfg: Config) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def flatten(cfg: Config) -> dict[str, Any]:
+    """``{"model.name_or_path": ..., "loss.ntil_lambda": ...}``: one entry per field (MLflow params)."""
+    flat: dict[str, Any] = {}
+
+    def walk(node: dict[str, Any], prefix: str) -> None:
+        for key, value in node.items():
+            if isinstance(value, dict):
+                walk(value, f"{prefix}{key}.")
+            else:
+                flat[f"{prefix}{key}"] = value
+
+    walk(to_dict(cfg), "")
+    return flat
+
+
+def save_config(cfg: Config, path: str | Path) -> Path:
+    """Write the resolved config as YAML; loading that file gives back an equal Config."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    return path
