@@ -190,9 +190,9 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
     if unknown:
         key = unknown[0]
         close = difflib.get_close_matches(str(key), list(fields), n=1)
-        hint = f"; did you mean {prefix}{close[0]!r}?" if close else ""
+        hint = f"; did you mean '{prefix}{close[0]}'?" if close else ""
         raise ConfigError(
-            f"unknown config key {prefix}{key!r}{hint} (valid keys here: {', '.join(sorted(fields))})"
+            f"unknown config key '{prefix}{key}'{hint} (valid keys here: {', '.join(sorted(fields))})"
         )
     values: dict[str, Any] = {}
     for name, value in raw.items():
