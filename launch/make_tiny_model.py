@@ -1,0 +1,27 @@
+"""Write a tiny offline Hugging Face model folder (config, tokenizer, processor; no weights).
+
+    python launch/make_tiny_model.py qwen2_vl --out models/tiny-qwen2-vl
+
+Train it from random weights with `model.name_or_path=<out> model.init=random`.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from ntil_ds.model.tiny import TINY_KINDS, build_tiny_model_folder
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("kind", choices=TINY_KINDS)
+    parser.add_argument("--out", required=True, help="folder to write (created if missing)")
+    args = parser.parse_args()
+    folder = build_tiny_model_folder(args.kind, args.out)
+    print(f"wrote tiny {args.kind} model folder: {folder}")
+
+
+if __name__ == "__main__":
+    main()

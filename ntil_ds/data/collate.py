@@ -1,0 +1,83 @@
+"""`Collator`: dataset samples to one padded micro-batch, with a fake image where ZeRO-3 needs one."""
+
+from __future__ import annotations
+
+import torch
+from PIL import Image
+
+from ntil_ds.data.dataset import PER_TOKEN_KEYS
+from ntil_ds.data.encoding import IGNORE_INDEX
+from ntil_ds.data.processor import is_multimodal, tokenizer_of
+from ntil_ds.data.records import DataError
+
+
+class Collator:
+    """Pad samples from `ConversationDataset` into a batch for `model(**batch_without_labels)`.
+
+    Per-token tensors are right-padded (input_ids with the pad token, labels with -100, attention_mask and
+    the rest with 0); per-image tensors (Qwen-VL's flattened patches and `image_grid_thw`, LLaVA's
+    `(N, 3, H, W)` pixels) are concatenated in sample order, matching the placeholder order.
+
+    `fake_image=True` (MLLM processors only): a micro-batch without any image gets one tiny blank image
+    appended to its first sample, its placeholder tokens with attention_mask 0 and labels -100. Under
+    ZeRO-3 every rank must run the same modules (each forward all-gathers the vision tower's parameters);
+    a rank that skipped the vision tower would hang or crash the job. The fake tokens come after all real
+    tokens of their row, so causal attention keeps them from changing any real token's output.
+    """
+
+    def __init__(self, processor, fake_image: bool = True):
+        tokenizer = tokenizer_of(processor)
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        if pad_id is None:
+            raise DataError("the tokenizer has neither a pad nor an eos token to pad batches with")
+        self.pad_values = {"input_ids": pad_id, "labels": IGNORE_INDEX}
+        self.fake_image = _fake_image_sample(processor) if fake_image and is_multimodal(processor) else None
+
+    def __call__(self, samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        if not samples:
+            raise ValueError("cannot collate an empty list of samples")
+        samples = list(samples)
+        if self.fake_image is not None and not any(_image_keys(s) for s in samples):
+            samples[0] = _append(samples[0], self.fake_image)
+        length = max(len(s["input_ids"]) for s in samples)
+        batch = {}
+        for key in [*PER_TOKEN_KEYS, "labels"]:
+            present = [s[key] for s in samples if key in s]
+            if not present:
+                continue
+            # a key some samples lack (e.g. mm_token_type_ids) is 0 = "text" there, like padding
+            padded = torch.full((len(samples), length), self.pad_values.get(key, 0), dtype=present[0].dtype)
+            for row, sample in enumerate(samples):
+                if key in sample:
+                    padded[row, : len(sample[key])] = sample[key]
+            batch[key] = padded
+        for key in sorted({k for s in samples for k in _image_keys(s)}):
+            batch[key] = torch.cat([s[key] for s in samples if key in s])
+        return batch
+
+
+def _image_keys(sample: dict) -> list[str]:
+    return [k for k in sample if k not in PER_TOKEN_KEYS and k != "labels"]
+
+
+def _fake_image_sample(processor) -> dict[str, torch.Tensor]:
+    """The processor's output for one small blank image alone: its placeholder tokens and pixels."""
+    image = Image.new("RGB", (28, 28), (0, 0, 0))  # the processor resizes it to its smallest size
+    out = processor(
+        text=[processor.image_token], images=[image], return_tensors="pt", add_special_tokens=False
+    )
+    sample = {k: (v[0] if k in PER_TOKEN_KEYS else v) for k, v in out.items() if isinstance(v, torch.Tensor)}
+    sample["attention_mask"] = torch.zeros_like(sample["input_ids"])
+    sample["labels"] = torch.full_like(sample["input_ids"], IGNORE_INDEX)
+    return sample
+
+
+def _append(sample: dict[str, torch.Tensor], fake: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`sample` (text only) followed by the fake image's tokens; a per-token key one side lacks is 0 there."""
+    n_real, n_fake = len(sample["input_ids"]), len(fake["input_ids"])
+    merged = dict(fake)  # the image tensors, and per-token keys only the fake has
+    for key in {*sample, *fake} - set(_image_keys(fake)):
+        real = sample.get(key, torch.zeros(n_real, dtype=fake[key].dtype if key in fake else torch.long))
+        extra = fake.get(key, torch.zeros(n_fake, dtype=real.dtype))
+        merged[key] = torch.cat([real, extra.to(real.dtype)])
+    return merged

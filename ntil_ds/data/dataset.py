@@ -1,0 +1,138 @@
+"""`ConversationDataset`: a JSONL file checked and measured at the start, encoded sample by sample."""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+from PIL import Image
+from tqdm import tqdm
+
+from ntil_ds.data.encoding import EncodedConversation, encode
+from ntil_ds.data.processor import is_multimodal
+from ntil_ds.data.records import BadSample, Conversation, DataError, read_jsonl
+
+log = logging.getLogger(__name__)
+
+# Processor outputs with one value per token (batch dim first); every other output is per image.
+PER_TOKEN_KEYS = ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids")
+
+
+@dataclass
+class DataReport:
+    """What happened to each line of a data file: kept, cut, or skipped (with the reasons)."""
+
+    path: str
+    kept: int = 0
+    truncated: int = 0  # kept, with text after max_seq_len (and any answer it cut) left out
+    skipped: Counter = field(default_factory=Counter)  # reason -> count
+    examples: list[str] = field(default_factory=list)  # the first few skip messages, for the log
+
+    @property
+    def num_skipped(self) -> int:
+        return sum(self.skipped.values())
+
+    def summary(self) -> str:
+        reasons = ", ".join(f"{reason}: {n}" for reason, n in sorted(self.skipped.items())) or "none"
+        return (
+            f"{self.path}: {self.kept} samples kept ({self.truncated} truncated), "
+            f"{self.num_skipped} skipped ({reasons})"
+        )
+
+
+class ConversationDataset(torch.utils.data.Dataset):
+    """Conversations from a JSONL file (see `ntil_ds.data.records`), ready for `Collator`.
+
+    Every line is read, checked (images opened) and measured in tokens here, so a bad line fails at the
+    start with its file and line, or with `on_bad_sample="skip"` is skipped and counted in
+    `self.report` (logged as a warning when anything was skipped). `dataset[i]` runs the processor: a
+    dict of tensors (no batch dimension on per-token ones) plus `labels`.
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        processor,
+        max_seq_len: int = 2048,
+        on_bad_sample: Literal["error", "skip"] = "error",
+        show_progress: bool = False,
+    ):
+        if on_bad_sample not in ("error", "skip"):
+            raise DataError(f"on_bad_sample must be 'error' or 'skip', got {on_bad_sample!r}")
+        if max_seq_len < 2:
+            raise DataError(f"max_seq_len must be at least 2, got {max_seq_len}")
+        self.path = Path(path)
+        self.processor = processor
+        self.max_seq_len = max_seq_len
+        self.report = DataReport(str(self.path))
+        self.conversations: list[Conversation] = []
+        self._encoded: list[EncodedConversation] = []
+        lines = read_jsonl(self.path)
+        for _, item in tqdm(lines, desc=f"checking {self.path.name}", unit="line", disable=not show_progress):
+            try:
+                if isinstance(item, BadSample):
+                    raise item
+                encoded = encode(processor, item, max_seq_len)
+            except BadSample as bad:
+                if on_bad_sample == "error":
+                    raise BadSample(
+                        bad.source,
+                        bad.reason,
+                        f"{bad.detail} (or set data.on_bad_sample=skip to skip such lines)",
+                    ) from None
+                self.report.skipped[bad.reason] += 1
+                if len(self.report.examples) < 5:
+                    self.report.examples.append(str(bad))
+                continue
+            self.conversations.append(item)
+            self._encoded.append(encoded)
+            self.report.truncated += encoded.truncated
+        self.report.kept = len(self._encoded)
+        if self.report.num_skipped:
+            log.warning("%s; first ones: %s", self.report.summary(), " | ".join(self.report.examples))
+        if not self._encoded:
+            raise DataError(f"{self.path}: no usable samples ({self.report.summary()})")
+
+    def __len__(self) -> int:
+        return len(self._encoded)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        encoded = self._encoded[index]
+        labels = torch.from_numpy(encoded.labels)
+        input_ids = torch.from_numpy(encoded.input_ids)
+        if not is_multimodal(self.processor):
+            return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "labels": labels}
+        conversation = self.conversations[index]
+        return {**self._processor_outputs(conversation, encoded.text, input_ids), "labels": labels}
+
+    def _processor_outputs(self, conversation: Conversation, text: str, input_ids: torch.Tensor) -> dict:
+        images = [load_rgb(path, conversation.source) for path in conversation.images]
+        out = self.processor(
+            text=[text], images=images or None, return_tensors="pt", add_special_tokens=False
+        )
+        length = len(input_ids)
+        if not torch.equal(out["input_ids"][0, :length], input_ids):
+            raise RuntimeError(
+                f"{conversation.source}: the processor's token ids differ from those measured when the "
+                "dataset was loaded (was the processor changed after loading the dataset?)"
+            )
+        sample = {}
+        for key, value in out.items():
+            if key in PER_TOKEN_KEYS:
+                sample[key] = value[0, :length]
+            elif isinstance(value, torch.Tensor):
+                sample[key] = value
+        return sample
+
+
+def load_rgb(path: Path, source: str) -> Image.Image:
+    """The image as RGB (what every processor expects); `source` ("file:line") names it in errors."""
+    try:
+        with Image.open(path) as image:
+            return image.convert("RGB")
+    except Exception as error:  # decoding errors the header check at load time could not see
+        raise DataError(f"{source}: image {path} cannot be decoded ({error})") from None

@@ -1,0 +1,119 @@
+"""Load a model folder's processor (or tokenizer, for a text-only LLM) the way the data pipeline needs it.
+
+Why not plain `AutoProcessor.from_pretrained`: in transformers 5.24 the Qwen-VL processors require a video
+processor, and every video processor requires torchvision. CPU machines with torch 2.13.0+cpu have no
+matching torchvision (PyPI's build fails to import: "operator torchvision::nms does not exist"), yet
+images need only the PIL image processor. So where torchvision is missing, a processor class that has a
+video slot is built without it; images and text behave exactly as in the stock class.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import shutil
+from pathlib import Path
+
+# transformers is imported inside the functions: `launch/make_data.py` imports this package and needs
+# none of it (the import costs seconds).
+
+
+def load_processor(model_dir: str | Path):
+    """Return the folder's multimodal processor, or its tokenizer when it has no processor (text-only LLM).
+
+    Equal to `AutoProcessor.from_pretrained(model_dir)` wherever that works; see the module docstring for
+    the one case where it does not (Qwen-VL processors without torchvision).
+    """
+    from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
+    from transformers.utils import is_torchvision_available
+
+    model_dir = Path(model_dir)
+    processor_class = _declared_processor_class(model_dir)
+    needs_video_processor = (
+        processor_class is not None and "video_processor" in processor_class.get_attributes()
+    )
+    if needs_video_processor and not is_torchvision_available():
+        processor = _image_only_class(processor_class)(
+            image_processor=AutoImageProcessor.from_pretrained(model_dir),
+            tokenizer=AutoTokenizer.from_pretrained(model_dir),
+            chat_template=_folder_chat_template(model_dir),
+        )
+        processor.source_dir = model_dir  # (not saved: only __init__ arguments are)
+        return processor
+    return AutoProcessor.from_pretrained(model_dir)
+
+
+def is_multimodal(processor) -> bool:
+    """True for an image+text processor, False for a plain tokenizer."""
+    from transformers import ProcessorMixin
+
+    return isinstance(processor, ProcessorMixin) and hasattr(processor, "image_processor")
+
+
+def tokenizer_of(processor):
+    """The tokenizer inside a processor, or the tokenizer itself."""
+    from transformers import ProcessorMixin
+
+    return processor.tokenizer if isinstance(processor, ProcessorMixin) else processor
+
+
+VIDEO_PROCESSOR_CONFIG = "video_preprocessor_config.json"
+
+# Where Hub folders name their processor class, newest layout first.
+_PROCESSOR_CLASS_FILES = ("processor_config.json", "preprocessor_config.json", "tokenizer_config.json")
+
+
+def _declared_processor_class(model_dir: Path):
+    """The processor class the folder asks for (as AutoProcessor finds it), or None for a plain tokenizer."""
+    import transformers
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+
+    for file_name in _PROCESSOR_CLASS_FILES:
+        config_file = model_dir / file_name
+        if config_file.is_file():
+            name = json.loads(config_file.read_text()).get("processor_class")  # optional key in HF's files
+            if name:
+                return getattr(transformers, name, None)
+    config_file = model_dir / "config.json"
+    if not config_file.is_file():
+        return None
+    model_type = json.loads(config_file.read_text()).get("model_type")  # older configs may lack it
+    name = PROCESSOR_MAPPING_NAMES.get(model_type)
+    return getattr(transformers, name, None) if name else None
+
+
+def _folder_chat_template(model_dir: Path) -> str | None:
+    template_file = model_dir / "chat_template.jinja"
+    if template_file.is_file():
+        return template_file.read_text()
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir).chat_template
+
+
+@functools.cache
+def _image_only_class(processor_class: type) -> type:
+    """Subclass of `processor_class` whose sub-processors are just the image processor and tokenizer."""
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        # The stock __init__ passes (image_processor, tokenizer, None); ProcessorMixin pairs positional
+        # arguments with this class's attributes, so the missing video processor is simply not set.
+        processor_class.__init__(
+            self, image_processor, tokenizer, None, chat_template=chat_template, **kwargs
+        )
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        saved = processor_class.save_pretrained(self, save_directory, *args, **kwargs)
+        # The video processor was never built here: carry its config over, so that the saved folder
+        # still loads with the stock AutoProcessor where torchvision exists.
+        video_config = Path(self.source_dir) / VIDEO_PROCESSOR_CONFIG
+        if video_config.is_file():
+            shutil.copyfile(video_config, Path(save_directory) / VIDEO_PROCESSOR_CONFIG)
+        return saved
+
+    # Named like the stock class: save_pretrained writes that name, so saved folders load anywhere.
+    return type(
+        processor_class.__name__,
+        (processor_class,),
+        {"__init__": __init__, "save_pretrained": save_pretrained},
+    )

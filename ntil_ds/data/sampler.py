@@ -1,0 +1,88 @@
+"""`ResumableDistributedSampler`: a seeded sample order, sharded over data-parallel ranks, resumable.
+
+The order is one endless stream: epoch after epoch, each a permutation of the dataset drawn from
+(seed, epoch). Data-parallel rank r of D takes stream positions r, r+D, r+2D, ...; so within any D
+consecutive positions the ranks get different samples, every epoch covers every sample exactly once over
+all ranks, and no sample is dropped or repeated at an epoch's end whatever the dataset size. Ranks of one
+tensor-parallel group pass the same `dp_rank` and so get identical samples (DeepSpeed's AutoTP requires it).
+
+Resuming: the position advances when an index is yielded, so iterate the sampler in the training process
+(as the trainer does: pull exactly the indices a step uses). A prefetching DataLoader would pull indices
+ahead of training; there, call `load_state_dict` with the position the trainer actually reached.
+`state_dict()` holds the number of samples consumed over all data-parallel ranks together; after
+`load_state_dict`, the next yielded index is the first sample not yet seen, also on a different number
+of data-parallel ranks when that count divides by it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+
+class ResumableDistributedSampler:
+    """Endless, deterministic, sharded sample indices (see the module docstring)."""
+
+    def __init__(self, num_samples: int, dp_rank: int, dp_size: int, seed: int, shuffle: bool = True):
+        if num_samples <= 0:
+            raise ValueError(f"num_samples must be positive, got {num_samples}")
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank must be in [0, dp_size={dp_size}), got {dp_rank}")
+        self.num_samples = num_samples
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.consumed_per_rank = 0  # indices this rank has yielded (equal on all ranks at a step boundary)
+        self._order_epoch = -1
+        self._order = np.arange(num_samples)
+
+    @property
+    def consumed_samples(self) -> int:
+        """Samples consumed over all data-parallel ranks: the position in the stream."""
+        return self.consumed_per_rank * self.dp_size
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next sample comes from."""
+        return (self.consumed_samples + self.dp_rank) // self.num_samples
+
+    def __iter__(self) -> Iterator[int]:
+        while True:
+            position = self.consumed_samples + self.dp_rank
+            epoch, offset = divmod(position, self.num_samples)
+            index = int(self._epoch_order(epoch)[offset])
+            self.consumed_per_rank += 1
+            yield index
+
+    def _epoch_order(self, epoch: int) -> np.ndarray:
+        if self.shuffle and epoch != self._order_epoch:
+            self._order = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
+            self._order_epoch = epoch
+        return self._order
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "consumed_samples": self.consumed_samples,
+            "num_samples": self.num_samples,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue after `state["consumed_samples"]` samples (raises if the data or seed changed)."""
+        for key in ("num_samples", "seed", "shuffle"):
+            if state[key] != getattr(self, key):
+                raise ValueError(
+                    f"cannot resume the sample order: checkpoint has {key}={state[key]!r}, this run has "
+                    f"{getattr(self, key)!r}; resume with the same data file and train.seed"
+                )
+        consumed = int(state["consumed_samples"])
+        if consumed % self.dp_size:
+            raise ValueError(
+                f"checkpoint consumed {consumed} samples, not a multiple of the {self.dp_size} data-parallel "
+                "ranks of this run; resume with a data-parallel size that divides it"
+            )
+        self.consumed_per_rank = consumed // self.dp_size

@@ -1,0 +1,335 @@
+"""Tiny offline model folders: config + tokenizer + processor, no weights, no download.
+
+Tests, the CPU demo and the benchmarks need real `transformers` model classes with real processors and
+chat templates, but nothing may be downloaded. `build_tiny_model_folder(kind, out_dir)` writes a folder
+that loads like a Hub checkpoint (`AutoConfig`, `AutoProcessor` / `AutoTokenizer`) and whose config builds
+a model of a few hundred thousand parameters with random weights (`from_config`).
+
+The tokenizer is a byte-level BPE trained here, deterministically, on a small fixed English corpus. It
+spells numbers digit by digit (like Qwen's), holds every byte, so any text encodes, and keeps the model
+family's special tokens (bos/eos/pad, image and vision markers) inside its small vocabulary.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+TINY_KINDS = ("qwen2_vl", "qwen2_5_vl", "llava", "qwen2")
+
+# Tiny vocab: 256 bytes + special tokens + merges learned on the corpus below.
+TINY_VOCAB_SIZE = 512
+
+QWEN_SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+LLAVA_SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>", "<image>")
+
+# The real Qwen2-VL / Qwen2.5-VL chat template (system prompt added when none is given).
+QWEN_VL_CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}"
+    "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}"
+    "{% set video_count.value = video_count.value + 1 %}"
+    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}"
+    "<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+# The real Qwen2-Instruct chat template (text only: content is a string).
+QWEN2_CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+# LLaVA-1.5 style ("USER: <image>\n... ASSISTANT: ..."), with an explicit </s> closing each answer so a
+# fine-tuned model learns to stop, and a newline after "ASSISTANT:" so the answer starts a fresh token.
+LLAVA_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'].upper() + ':' }}"
+    "{% if message['role'] == 'assistant' %}{{ '\\n' }}{% else %}{{ ' ' }}{% endif %}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' %}{{ '<image>\\n' }}"
+    "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{% if message['role'] == 'assistant' %}{{ '</s>' }}{% endif %}{{ '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'ASSISTANT:\\n' }}{% endif %}"
+)
+
+# Fixed training text for the BPE merges: the prompts of the synthetic tasks and common English, so
+# typical prompts take few tokens. Digits never merge (they are split before BPE sees them).
+_CORPUS = """
+You are a helpful assistant. What time is it? What time does the clock show? Answer as HH:MM.
+Where is the red square? Where is the blue circle? Where is the green triangle? Answer with the box
+[x1, y1, x2, y2] in pixels. What is the value of the bar labelled A? What is the value of the bar?
+Compute the sum. Compute the difference. Compute the product. What is the answer? The answer is
+the number. Describe the image. What is in the picture? How many objects are there? Read the chart.
+The quick brown fox jumps over the lazy dog. A picture is worth a thousand words. This is a test of the
+tokenizer with some ordinary English sentences, questions and answers about images, charts, clocks,
+boxes, shapes, colours: red, green, blue, yellow, orange, purple, black, white, gray, cyan, magenta.
+square circle triangle rectangle hour minute second left right top bottom width height value label
+plus minus times divided equals sum difference product quotient result number digits
+USER: ASSISTANT: system user assistant
+"""
+
+
+def _train_tokenizer(special_tokens: tuple[str, ...]) -> Tokenizer:
+    tokenizer = Tokenizer(models.BPE())
+    # Digits first, one per token (as Qwen does), then GPT-2 byte-level splitting of the rest.
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TINY_VOCAB_SIZE,
+        special_tokens=list(special_tokens),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    lines = [line for line in _CORPUS.strip().splitlines() for _ in range(3)]
+    tokenizer.train_from_iterator(lines, trainer=trainer)
+    return tokenizer
+
+
+def _fast_tokenizer(special_tokens: tuple[str, ...], chat_template: str, **token_roles: str):
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(
+        tokenizer_object=_train_tokenizer(special_tokens),
+        chat_template=chat_template,
+        model_max_length=4096,
+        **token_roles,
+    )
+
+
+def _qwen_tokenizer(chat_template: str):
+    # Qwen's instruct models end a turn (and generation) with <|im_end|>; <|endoftext|> pads.
+    return _fast_tokenizer(
+        QWEN_SPECIAL_TOKENS, chat_template, eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
+
+
+def _tiny_text_config_kwargs(tokenizer) -> dict:
+    return {
+        "vocab_size": len(tokenizer),
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 4096,
+        "bos_token_id": tokenizer.convert_tokens_to_ids(tokenizer.bos_token or tokenizer.pad_token),
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+
+
+# 28x28 .. 112x112 pixels: 1 to 16 image tokens after the 2x2 merge, so tests stay fast.
+_QWEN_MIN_PIXELS = 28 * 28
+_QWEN_MAX_PIXELS = 112 * 112
+
+
+def _qwen_vl_image_processor():
+    from transformers import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil(
+        min_pixels=_QWEN_MIN_PIXELS,
+        max_pixels=_QWEN_MAX_PIXELS,
+        patch_size=14,
+        temporal_patch_size=2,
+        merge_size=2,
+    )
+
+
+def _save_qwen_vl_processor(out_dir: Path, processor_class: str, tokenizer) -> None:
+    """Write the processor files a Hub Qwen-VL checkpoint has, without instantiating the processor.
+
+    transformers 5.24's Qwen-VL processor classes cannot be built without torchvision (their video
+    processor needs it), and CPU torch 2.13 has none; the files load with `AutoProcessor` where
+    torchvision exists and with `ntil_ds.data.load_processor` everywhere.
+    """
+    image_processor = _qwen_vl_image_processor()
+    tokenizer.save_pretrained(out_dir)
+    image_processor.save_pretrained(out_dir)
+    (out_dir / "chat_template.jinja").write_text(QWEN_VL_CHAT_TEMPLATE)
+    (out_dir / "processor_config.json").write_text(json.dumps({"processor_class": processor_class}, indent=2))
+    video_config = {
+        "video_processor_type": "Qwen2VLVideoProcessor",
+        "cap_pixels_per_frame": True,
+        "size": {"shortest_edge": _QWEN_MIN_PIXELS, "longest_edge": _QWEN_MAX_PIXELS},
+        "patch_size": 14,
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+        "image_mean": image_processor.image_mean,
+        "image_std": image_processor.image_std,
+    }
+    (out_dir / "video_preprocessor_config.json").write_text(json.dumps(video_config, indent=2))
+
+
+def _qwen_vl_ids(tokenizer) -> dict:
+    ids = {name: tokenizer.convert_tokens_to_ids(tok) for name, tok in _QWEN_VL_ID_TOKENS.items()}
+    return ids
+
+
+_QWEN_VL_ID_TOKENS = {
+    "image_token_id": "<|image_pad|>",
+    "video_token_id": "<|video_pad|>",
+    "vision_start_token_id": "<|vision_start|>",
+    "vision_end_token_id": "<|vision_end|>",
+}
+
+
+def _build_qwen2_vl(out_dir: Path) -> None:
+    from transformers import Qwen2VLConfig
+
+    tokenizer = _qwen_tokenizer(QWEN_VL_CHAT_TEMPLATE)
+    text = _tiny_text_config_kwargs(tokenizer)
+    # mrope_section sums to head_dim / 2 (head_dim = 64 / 4 = 16).
+    text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2]}
+    config = Qwen2VLConfig(
+        text_config=text,
+        vision_config={
+            "depth": 1,
+            "embed_dim": 32,
+            "hidden_size": text["hidden_size"],
+            "num_heads": 2,
+            "mlp_ratio": 2,
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+        },
+        tie_word_embeddings=False,
+        **_qwen_vl_ids(tokenizer),
+    )
+    config.save_pretrained(out_dir)
+    _save_qwen_vl_processor(out_dir, "Qwen2VLProcessor", tokenizer)
+
+
+def _build_qwen2_5_vl(out_dir: Path) -> None:
+    from transformers import Qwen2_5_VLConfig
+
+    tokenizer = _qwen_tokenizer(QWEN_VL_CHAT_TEMPLATE)
+    text = _tiny_text_config_kwargs(tokenizer)
+    text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2]}
+    config = Qwen2_5_VLConfig(
+        text_config=text,
+        vision_config={
+            "depth": 2,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_heads": 2,
+            "out_hidden_size": text["hidden_size"],
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "window_size": 56,
+            "fullatt_block_indexes": [1],
+        },
+        tie_word_embeddings=False,
+        **_qwen_vl_ids(tokenizer),
+    )
+    config.save_pretrained(out_dir)
+    _save_qwen_vl_processor(out_dir, "Qwen2_5_VLProcessor", tokenizer)
+
+
+def _build_llava(out_dir: Path) -> None:
+    from transformers import CLIPImageProcessorPil, LlavaConfig, LlavaProcessor
+
+    tokenizer = _fast_tokenizer(
+        LLAVA_SPECIAL_TOKENS,
+        LLAVA_CHAT_TEMPLATE,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+    )
+    image_size, patch_size = 28, 7  # 4x4 = 16 image tokens (the CLS token is dropped: "default")
+    text = _tiny_text_config_kwargs(tokenizer)
+    text["model_type"] = "llama"
+    config = LlavaConfig(
+        text_config=text,
+        vision_config={
+            "model_type": "clip_vision_model",
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "image_size": image_size,
+            "patch_size": patch_size,
+            "projection_dim": 32,
+        },
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        vision_feature_select_strategy="default",
+        vision_feature_layer=-1,
+        projector_hidden_act="gelu",
+        tie_word_embeddings=False,
+    )
+    image_processor = CLIPImageProcessorPil(
+        size={"shortest_edge": image_size},
+        crop_size={"height": image_size, "width": image_size},
+    )
+    processor = LlavaProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=patch_size,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+        chat_template=LLAVA_CHAT_TEMPLATE,
+    )
+    config.save_pretrained(out_dir)
+    processor.save_pretrained(out_dir)
+
+
+def _build_qwen2(out_dir: Path) -> None:
+    from transformers import Qwen2Config
+
+    tokenizer = _qwen_tokenizer(QWEN2_CHAT_TEMPLATE)
+    config = Qwen2Config(**_tiny_text_config_kwargs(tokenizer), tie_word_embeddings=False)
+    config.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+
+
+_BUILDERS = {
+    "qwen2_vl": _build_qwen2_vl,
+    "qwen2_5_vl": _build_qwen2_5_vl,
+    "llava": _build_llava,
+    "qwen2": _build_qwen2,
+}
+
+
+def build_tiny_model_folder(kind: str, out_dir: str | Path) -> Path:
+    """Write a tiny Hugging Face model folder (config, tokenizer, processor; no weights) and return it.
+
+    `kind` is one of `TINY_KINDS`. Load it with `AutoConfig.from_pretrained(folder)` and
+    `AutoProcessor.from_pretrained(folder)` (`AutoTokenizer` for "qwen2"), then build random weights with
+    `AutoModelForImageTextToText.from_config(config)` (`AutoModelForCausalLM` for "qwen2").
+    The folder's `tiny_model.json` records the kind.
+    """
+    if kind not in _BUILDERS:
+        raise ValueError(f"unknown tiny model kind {kind!r}; choose one of {', '.join(TINY_KINDS)}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    _BUILDERS[kind](out)
+    (out / "tiny_model.json").write_text(json.dumps({"kind": kind}) + "\n")
+    return out

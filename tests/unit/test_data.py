@@ -1,0 +1,367 @@
+"""Data pipeline with tiny offline processors: label masking, truncation, collation and the fake image,
+bad-input errors and skip counts. (Sampler: test_data_sampler.py; synthetic tasks: test_data_synthetic.py.)"""
+
+import json
+import logging
+import shutil
+
+import pytest
+import torch
+from PIL import Image
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+from ntil_ds.data import (
+    IGNORE_INDEX,
+    BadSample,
+    Collator,
+    ConversationDataset,
+    DataError,
+    load_processor,
+    tokenizer_of,
+)
+from ntil_ds.model.tiny import TINY_KINDS, build_tiny_model_folder
+
+MLLM_KINDS = ("qwen2_vl", "qwen2_5_vl", "llava")
+END_OF_TURN = {"qwen2_vl": "<|im_end|>", "qwen2_5_vl": "<|im_end|>", "llava": "</s>", "qwen2": "<|im_end|>"}
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    return {kind: build_tiny_model_folder(kind, root / kind) for kind in TINY_KINDS}
+
+
+@pytest.fixture(scope="module")
+def processors(folders):
+    return {kind: load_processor(folder) for kind, folder in folders.items()}
+
+
+def _user(text, images=()):
+    return {
+        "role": "user",
+        "content": [*({"type": "image", "image": i} for i in images), {"type": "text", "text": text}],
+    }
+
+
+def _write(tmp_path, rows, name="data.jsonl"):
+    """JSONL rows (dicts, or raw strings written as they are) next to two small images."""
+    Image.new("RGB", (64, 48), (200, 20, 20)).save(tmp_path / "red.png")
+    Image.new("RGB", (100, 60), (20, 20, 200)).save(tmp_path / "blue.png")
+    path = tmp_path / name
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def _labelled_text(tokenizer, sample):
+    labels = sample["labels"]
+    return tokenizer.decode(labels[labels != IGNORE_INDEX])
+
+
+def _runs(mask):
+    """Contiguous runs of True, as (start, end) pairs."""
+    runs, start = [], None
+    for i, value in enumerate([*mask.tolist(), False]):
+        if value and start is None:
+            start = i
+        if not value and start is not None:
+            runs.append((start, i))
+            start = None
+    return runs
+
+
+# ----------------------------------------------------------------------------------------------------
+# labels
+
+
+@pytest.mark.parametrize("kind", TINY_KINDS)
+def test_labels_are_exactly_the_answers_and_their_end_of_turn(tmp_path, processors, kind):
+    processor = processors[kind]
+    tokenizer = tokenizer_of(processor)
+    images = [] if kind == "qwen2" else ["red.png"]
+    rows = [
+        {"messages": [_user("What time is it?", images), {"role": "assistant", "content": "10:42"}]},
+        {  # multi-turn, with a system prompt: both answers, and only them
+            "messages": [
+                {"role": "system", "content": "Answer with digits."},
+                _user("What is 12+30?"),
+                {"role": "assistant", "content": "42"},
+                _user("And 1000-1?"),
+                {"role": "assistant", "content": [{"type": "text", "text": "999"}]},
+            ]
+        },
+    ]
+    dataset = ConversationDataset(_write(tmp_path, rows), processor, max_seq_len=512)
+    eot = END_OF_TURN[kind]
+    first, second = dataset[0], dataset[1]
+    assert _labelled_text(tokenizer, first) == f"10:42{eot}"
+    assert _labelled_text(tokenizer, second) == f"42{eot}999{eot}"
+    for sample in (first, second):
+        labelled = sample["labels"] != IGNORE_INDEX
+        assert torch.equal(sample["labels"][labelled], sample["input_ids"][labelled])  # aligned, unshifted
+        # each labelled run ends with the end-of-turn token and is preceded by the prompt
+        for start, end in _runs(labelled):
+            assert tokenizer.convert_ids_to_tokens(int(sample["input_ids"][end - 1])) == eot
+            assert start > 0 and not labelled[start - 1]
+    if kind != "qwen2":
+        image_tokens = first["input_ids"] == processor.image_token_id
+        assert image_tokens.sum() > 1 and not (first["labels"][image_tokens] != IGNORE_INDEX).any()
+        # the whole image sits in one run of placeholders the processor expanded
+        assert len(_runs(image_tokens)) == 1
+
+
+def test_template_without_end_of_turn_gets_eos_after_the_answer(tmp_path, folders):
+    # llava-1.5-hf's own template ends answers with nothing: the model would never learn to stop.
+    folder = tmp_path / "llava_hf_template"
+    shutil.copytree(folders["llava"], folder)
+    (folder / "chat_template.jinja").write_text(
+        "{% for message in messages %}{{ message['role'].upper() + ': ' }}"
+        "{% for c in message['content'] %}{% if c['type'] == 'image' %}{{ '<image>\\n' }}"
+        "{% else %}{{ c['text'] + ' ' }}{% endif %}{% endfor %}{% endfor %}"
+        "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
+    )
+    processor = load_processor(folder)
+    rows = [{"messages": [_user("What time is it?", ["red.png"]), {"role": "assistant", "content": "10:42"}]}]
+    sample = ConversationDataset(_write(tmp_path, rows), processor, max_seq_len=512)[0]
+    tokenizer = tokenizer_of(processor)
+    assert _labelled_text(tokenizer, sample) == "10:42</s>"
+    assert tokenizer.decode(sample["input_ids"]).endswith("ASSISTANT: 10:42</s> ")
+
+
+def test_sharegpt_layout_is_converted(tmp_path, processors):
+    processor = processors["qwen2_vl"]
+    rows = [
+        {
+            "conversations": [
+                {"from": "human", "value": "<image>\nHow many shapes?"},
+                {"from": "gpt", "value": "7"},
+                {"from": "human", "value": "And here <image> ?"},
+                {"from": "gpt", "value": "12"},
+            ],
+            "images": ["red.png", "blue.png"],
+        },
+        {"conversations": [{"from": "human", "value": "1+1?"}, {"from": "gpt", "value": "2"}]},
+    ]
+    dataset = ConversationDataset(_write(tmp_path, rows), processor, max_seq_len=512)
+    first = dataset.conversations[0]
+    assert [m["role"] for m in first.messages] == ["user", "assistant", "user", "assistant"]
+    assert first.messages[0]["content"] == [{"type": "image"}, {"type": "text", "text": "How many shapes?"}]
+    assert [p.name for p in first.images] == ["red.png", "blue.png"]
+    sample = dataset[0]
+    assert sample["image_grid_thw"].shape == (2, 3)
+    assert len(_runs(sample["input_ids"] == processor.image_token_id)) == 2
+    assert _labelled_text(tokenizer_of(processor), sample) == "7<|im_end|>12<|im_end|>"
+    assert _labelled_text(tokenizer_of(processor), dataset[1]) == "2<|im_end|>"
+
+
+# ----------------------------------------------------------------------------------------------------
+# truncation
+
+
+def test_truncation_keeps_whole_answers_and_never_cuts_an_image(tmp_path, processors):
+    processor = processors["qwen2_vl"]
+    tokenizer = tokenizer_of(processor)
+    long_question = "Please think about this question carefully. " * 4
+    rows = [
+        {  # fits
+            "messages": [_user("1+1?"), {"role": "assistant", "content": "2"}]
+        },
+        {  # two answers; the cut falls inside the second: only the first is trained on
+            "messages": [
+                _user("What is 12+30?"),
+                {"role": "assistant", "content": "42"},
+                _user(long_question),
+                {"role": "assistant", "content": "123456789"},
+            ]
+        },
+        {  # the image lies past the cut: cannot be truncated
+            "messages": [
+                _user(long_question * 3),
+                _user("Now look.", ["red.png"]),
+                {"role": "assistant", "content": "1"},
+            ]
+        },
+    ]
+    path = _write(tmp_path, rows)
+    full = ConversationDataset(path, processor, max_seq_len=4096)
+    full_lengths = [len(full[i]["input_ids"]) for i in range(3)]
+    second_answer_end = full_lengths[1]
+    first_answer_end = int(torch.nonzero(full[1]["labels"] != IGNORE_INDEX)[2]) + 1  # "4", "2", "<|im_end|>"
+    max_len = second_answer_end - 3  # cuts the second answer
+    assert first_answer_end < max_len < full_lengths[2]
+
+    with pytest.raises(BadSample, match=rf"{path}:3: .*tokens > data.max_seq_len={max_len} .*cut an image"):
+        ConversationDataset(path, processor, max_seq_len=max_len)
+    dataset = ConversationDataset(path, processor, max_seq_len=max_len, on_bad_sample="skip")
+    assert len(dataset) == 2 and dataset.report.skipped == {"too_long": 1}
+    assert dataset.report.truncated == 1
+    cut = dataset[1]
+    assert len(cut["input_ids"]) == max_len
+    assert torch.equal(cut["input_ids"], full[1]["input_ids"][:max_len])
+    assert _labelled_text(tokenizer, cut) == "42<|im_end|>"
+
+    # cut before the first answer ends: nothing to train on -> too long
+    with pytest.raises(BadSample, match="leaves no complete answer"):
+        ConversationDataset(path, processor, max_seq_len=first_answer_end - 1)
+
+
+# ----------------------------------------------------------------------------------------------------
+# collation, padding, fake image
+
+
+def _model(folder, kind):
+    torch.manual_seed(0)
+    config = AutoConfig.from_pretrained(folder)
+    cls = AutoModelForCausalLM if kind == "qwen2" else AutoModelForImageTextToText
+    return cls.from_config(config).eval()
+
+
+def _forward(model, batch):
+    return model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+
+
+@pytest.mark.parametrize("kind", ["qwen2_5_vl", "llava"])
+def test_padded_mixed_batch_equals_one_by_one(tmp_path, folders, processors, kind):
+    processor = processors[kind]
+    rows = [
+        {"messages": [_user("What time is it?", ["red.png"]), {"role": "assistant", "content": "10:42"}]},
+        {"messages": [_user("What is 12+30?"), {"role": "assistant", "content": "42"}]},
+        {
+            "messages": [
+                _user("Which two?", ["blue.png", "red.png"]),
+                {"role": "assistant", "content": "[1, 2]"},
+            ]
+        },
+    ]
+    dataset = ConversationDataset(_write(tmp_path, rows), processor, max_seq_len=512)
+    samples = [dataset[i] for i in range(3)]
+    collator = Collator(processor, fake_image=True)
+    batch = collator(samples)
+    lengths = [len(s["input_ids"]) for s in samples]
+    assert batch["input_ids"].shape == (3, max(lengths))
+    pad = tokenizer_of(processor).pad_token_id
+    for row, length in enumerate(lengths):
+        assert (batch["attention_mask"][row, :length] == 1).all() and (
+            batch["attention_mask"][row, length:] == 0
+        ).all()
+        assert (batch["input_ids"][row, length:] == pad).all() and (
+            batch["labels"][row, length:] == IGNORE_INDEX
+        ).all()
+    model = _model(folders[kind], kind)
+    with torch.no_grad():
+        together = _forward(model, batch)
+        for row, sample in enumerate(samples):
+            alone = _forward(model, Collator(processor, fake_image=False)([sample]))
+            torch.testing.assert_close(together[row, : lengths[row]], alone[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", MLLM_KINDS)
+def test_fake_image_runs_the_vision_tower_without_changing_the_text(tmp_path, folders, processors, kind):
+    processor = processors[kind]
+    rows = [
+        {"messages": [_user("What is 12+30?"), {"role": "assistant", "content": "42"}]},
+        {"messages": [_user("What is 100+1?"), {"role": "assistant", "content": "101"}]},
+    ]
+    dataset = ConversationDataset(_write(tmp_path, rows), processor, max_seq_len=512)
+    samples = [dataset[0], dataset[1]]
+    plain = Collator(processor, fake_image=False)(samples)
+    batch = Collator(processor, fake_image=True)(samples)
+    assert "pixel_values" not in plain and "pixel_values" in batch
+    n_real = len(samples[0]["input_ids"])
+    fake = slice(n_real, None)
+    image_id = processor.image_token_id
+    assert (batch["input_ids"][0, fake] == image_id).all() and (batch["attention_mask"][0, fake] == 0).all()
+    assert (batch["labels"][0, fake] == IGNORE_INDEX).all()
+    assert torch.equal(batch["labels"][0, :n_real], samples[0]["labels"])
+    if "mm_token_type_ids" in batch:
+        assert (batch["mm_token_type_ids"][0, fake] == 1).all()
+
+    model = _model(folders[kind], kind)
+    logits = _forward(model, batch)
+    reference = _forward(model, plain)
+    for row, sample in enumerate(samples):
+        n = len(sample["input_ids"])
+        torch.testing.assert_close(logits[row, :n], reference[row, :n], rtol=1e-5, atol=1e-5)
+    labels = batch["labels"][:, 1:]
+    loss = torch.nn.functional.cross_entropy(
+        logits[:, :-1].flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX
+    )
+    loss.backward()
+    vision = [
+        p
+        for n, p in model.named_parameters()
+        if ("visual" in n or "vision_tower" in n) and p.grad is not None
+    ]
+    assert vision, "the vision tower did not run"
+    assert all(float(p.grad.abs().max()) == 0.0 for p in vision)  # ran, but the loss does not depend on it
+
+
+def test_text_only_tokenizer_gets_no_fake_image(tmp_path, processors):
+    tokenizer = processors["qwen2"]
+    rows = [{"messages": [_user("What is 12+30?"), {"role": "assistant", "content": "42"}]}]
+    dataset = ConversationDataset(_write(tmp_path, rows), tokenizer, max_seq_len=64)
+    batch = Collator(tokenizer, fake_image=True)([dataset[0]])
+    assert set(batch) == {"input_ids", "attention_mask", "labels"}
+
+
+# ----------------------------------------------------------------------------------------------------
+# bad input
+
+
+BAD_LINES = {
+    "malformed_json": ('{"messages": [', "not valid JSON"),
+    "missing_image": (
+        {"messages": [_user("?", ["nowhere.png"]), {"role": "assistant", "content": "1"}]},
+        "image 'nowhere.png' not found",
+    ),
+    "unreadable_image": (
+        {"messages": [_user("?", ["broken.png"]), {"role": "assistant", "content": "1"}]},
+        "image 'broken.png' cannot be read",
+    ),
+    "no_assistant_turn": ({"messages": [_user("What time is it?")]}, "no assistant turn"),
+    "empty_answer": ({"messages": [_user("?"), {"role": "assistant", "content": "  "}]}, "answer is empty"),
+    "bad_schema": ({"messages": [{"role": "robot", "content": "hi"}]}, "role 'robot'"),
+}
+
+
+@pytest.mark.parametrize("reason", sorted(BAD_LINES))
+def test_bad_line_is_an_error_naming_file_and_line(tmp_path, processors, reason):
+    bad_line, message = BAD_LINES[reason]
+    good = {"messages": [_user("What time is it?", ["red.png"]), {"role": "assistant", "content": "10:42"}]}
+    path = _write(tmp_path, [good, good, bad_line])
+    (tmp_path / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n not really a png")
+    with pytest.raises(BadSample, match=rf"^{path}:3: .*{message}.*on_bad_sample=skip") as error:
+        ConversationDataset(path, processors["qwen2_vl"], max_seq_len=256)
+    assert error.value.reason == reason
+
+
+def test_skip_counts_every_bad_line_and_logs_them(tmp_path, processors, caplog):
+    good = {"messages": [_user("What time is it?", ["red.png"]), {"role": "assistant", "content": "10:42"}]}
+    rows = [good, *(line for line, _ in BAD_LINES.values()), "", good]  # a blank line is not a sample
+    rows.append(
+        {"conversations": [{"from": "human", "value": "<image> <image>"}, {"from": "gpt", "value": "1"}]}
+    )
+    path = _write(tmp_path, rows)
+    (tmp_path / "broken.png").write_bytes(b"not an image")
+    with caplog.at_level(logging.WARNING):
+        dataset = ConversationDataset(path, processors["qwen2_vl"], max_seq_len=256, on_bad_sample="skip")
+    assert len(dataset) == 2 == dataset.report.kept
+    expected = dict.fromkeys(BAD_LINES, 1)
+    expected["bad_schema"] += 1  # the ShareGPT line: 2 markers, 0 images
+    assert dict(dataset.report.skipped) == expected
+    assert dataset.report.num_skipped == 7
+    assert "7 skipped" in caplog.text and f"{path}:2:" in caplog.text
+
+
+def test_bad_file_and_options_are_clear_errors(tmp_path, processors):
+    with pytest.raises(DataError, match="data file not found"):
+        ConversationDataset(tmp_path / "nope.jsonl", processors["qwen2"])
+    with pytest.raises(DataError, match="on_bad_sample must be 'error' or 'skip'"):
+        ConversationDataset(tmp_path / "nope.jsonl", processors["qwen2"], on_bad_sample="ignore")
+    only_bad = _write(tmp_path, ['{"oops"'])
+    with pytest.raises(DataError, match="no usable samples"):
+        ConversationDataset(only_bad, processors["qwen2"], on_bad_sample="skip")
+    with_image = _write(
+        tmp_path, [{"messages": [_user("?", ["red.png"]), {"role": "assistant", "content": "1"}]}]
+    )
+    with pytest.raises(BadSample, match="text-only tokenizer"):
+        ConversationDataset(with_image, processors["qwen2"])

@@ -1,0 +1,202 @@
+"""Tiny offline model folders: they load like Hub checkpoints, run forward+backward, and their tokenizers
+spell numbers digit by digit. Qwen-VL logits with the processor's `mm_token_type_ids` equal a forward with
+independently computed M-RoPE positions."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from PIL import Image
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoProcessor,
+    AutoTokenizer,
+    Qwen2_5_VLProcessor,
+)
+
+from ntil_ds.data.processor import load_processor, tokenizer_of
+from ntil_ds.model.tiny import TINY_KINDS, build_tiny_model_folder
+
+MLLM_KINDS = ("qwen2_vl", "qwen2_5_vl", "llava")
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    return {kind: build_tiny_model_folder(kind, root / kind) for kind in TINY_KINDS}
+
+
+def _image_conversation(answer: str = "10:42"):
+    return [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What time is it?"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": answer}]},
+    ]
+
+
+def _encode_image_sample(processor, size=(84, 56)):
+    text = processor.apply_chat_template(_image_conversation(), tokenize=False)
+    image = Image.new("RGB", size, (200, 30, 30))
+    return processor(text=[text], images=[image], return_tensors="pt", add_special_tokens=False)
+
+
+def _build_model(folder, kind):
+    torch.manual_seed(0)
+    config = AutoConfig.from_pretrained(folder)
+    model_cls = AutoModelForCausalLM if kind == "qwen2" else AutoModelForImageTextToText
+    return model_cls.from_config(config).eval()
+
+
+@pytest.mark.parametrize("kind", MLLM_KINDS)
+def test_mllm_folder_loads_and_trains(folders, kind):
+    processor = load_processor(folders[kind])
+    model = _build_model(folders[kind], kind)
+    batch = _encode_image_sample(processor)
+    tokenizer = tokenizer_of(processor)
+    assert model.config.text_config.vocab_size == len(tokenizer)
+    image_id = model.config.image_token_id
+    assert tokenizer.convert_ids_to_tokens(image_id) == processor.image_token
+    n_image_tokens = int((batch["input_ids"] == image_id).sum())
+    assert n_image_tokens > 0
+
+    out = model(**batch)
+    assert out.logits.shape == (*batch["input_ids"].shape, len(tokenizer))
+    out.logits.float().logsumexp(-1).mean().backward()
+    # (CLIP's post_layernorm is unused by LLaVA and keeps no gradient, as in the full-size model)
+    vision_grads = [
+        p.grad
+        for n, p in model.named_parameters()
+        if ("visual" in n or "vision_tower" in n) and p.grad is not None
+    ]
+    assert vision_grads and all(torch.isfinite(g).all() for g in vision_grads)
+    assert any(g.abs().sum() > 0 for g in vision_grads)  # the image reached the loss
+
+
+@pytest.mark.parametrize("layout", ["preprocessor_config", "model_type_only"])
+def test_qwen_processor_class_found_as_in_hub_folders(folders, tmp_path, layout):
+    # Older Hub Qwen-VL folders name the processor in preprocessor_config.json, or not at all.
+    folder = tmp_path / layout
+    shutil.copytree(folders["qwen2_5_vl"], folder)
+    (folder / "processor_config.json").unlink()
+    if layout == "preprocessor_config":
+        config = json.loads((folder / "preprocessor_config.json").read_text())
+        (folder / "preprocessor_config.json").write_text(
+            json.dumps({**config, "processor_class": "Qwen2_5_VLProcessor"})
+        )
+    processor = load_processor(folder)
+    assert isinstance(processor, Qwen2_5_VLProcessor)
+    assert "mm_token_type_ids" in _encode_image_sample(processor)
+
+
+@pytest.mark.parametrize("kind", MLLM_KINDS)
+def test_saved_processor_loads_back_the_same(folders, tmp_path, kind):
+    # What the trainer's export does: processor.save_pretrained(export_dir), later load_processor(export_dir).
+    processor = load_processor(folders[kind])
+    processor.save_pretrained(tmp_path / "export")
+    again = load_processor(tmp_path / "export")
+    assert type(again).__name__ == type(processor).__name__
+    assert json.loads((tmp_path / "export" / "processor_config.json").read_text())["processor_class"] in (
+        "Qwen2VLProcessor",
+        "Qwen2_5_VLProcessor",
+        "LlavaProcessor",
+    )
+    if kind != "llava":
+        assert (tmp_path / "export" / "video_preprocessor_config.json").is_file()
+    first, second = _encode_image_sample(processor), _encode_image_sample(again)
+    assert first.keys() == second.keys()
+    assert all(torch.equal(first[k], second[k]) for k in first)
+
+
+def test_llava_and_text_folders_load_with_stock_auto_classes(folders):
+    assert type(AutoProcessor.from_pretrained(folders["llava"])).__name__ == "LlavaProcessor"
+    tokenizer = AutoTokenizer.from_pretrained(folders["qwen2"])
+    model = _build_model(folders["qwen2"], "qwen2")
+    messages = [{"role": "user", "content": "What is 12+30?"}, {"role": "assistant", "content": "42"}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    assert text.endswith("<|im_start|>assistant\n42<|im_end|>\n")
+    batch = tokenizer(text, return_tensors="pt", add_special_tokens=False)
+    out = model(**batch, labels=batch["input_ids"])
+    out.loss.backward()
+    assert torch.isfinite(out.loss)
+    assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize("kind", TINY_KINDS)
+def test_tokenizer_spells_digits_and_encodes_any_ascii(folders, kind):
+    tokenizer = tokenizer_of(load_processor(folders[kind]))
+    assert len(tokenizer) <= 1000
+    ids = tokenizer("Year 2026: 12345.", add_special_tokens=False)["input_ids"]
+    tokens = tokenizer.convert_ids_to_tokens(ids)
+    assert [t for t in tokens if any(c.isdigit() for c in t)] == list("2026") + list("12345")
+    for digit in "0123456789":
+        assert tokenizer.convert_ids_to_tokens(tokenizer(digit, add_special_tokens=False)["input_ids"]) == [
+            digit
+        ]
+    printable = "".join(chr(c) for c in range(32, 127)) + "\nhello World"
+    assert tokenizer.decode(tokenizer(printable, add_special_tokens=False)["input_ids"]) == printable
+    config = AutoConfig.from_pretrained(folders[kind])
+    text_config = config.get_text_config()
+    for token_id in (text_config.eos_token_id, text_config.pad_token_id, text_config.bos_token_id):
+        assert 0 <= token_id < len(tokenizer)
+    assert text_config.eos_token_id == tokenizer.eos_token_id
+
+
+def test_folder_is_deterministic(folders, tmp_path):
+    again = build_tiny_model_folder("qwen2_vl", tmp_path / "again")
+    for name in ("tokenizer.json", "config.json", "preprocessor_config.json", "chat_template.jinja"):
+        assert (again / name).read_bytes() == (folders["qwen2_vl"] / name).read_bytes(), name
+    assert json.loads((again / "tiny_model.json").read_text()) == {"kind": "qwen2_vl"}
+
+
+def test_unknown_kind_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="unknown tiny model kind 'gpt5'.*qwen2_vl"):
+        build_tiny_model_folder("gpt5", tmp_path)
+
+
+def _reference_mrope_positions(input_ids, image_grid_thw, image_token_id, merge_size):
+    """Qwen2-VL's 3D positions written from the paper's rule, independently of transformers: text tokens
+    advance all three axes by one; an image's tokens take (t, row, col) offsets from the current start, and
+    the text after it starts one past the largest position used."""
+    positions, start, grids = [], 0, iter(image_grid_thw.tolist())
+    ids = input_ids.tolist()
+    i = 0
+    while i < len(ids):
+        if ids[i] != image_token_id:
+            positions.append((start, start, start))
+            start += 1
+            i += 1
+            continue
+        t, h, w = next(grids)
+        h, w = h // merge_size, w // merge_size
+        block = [
+            (start + ti, start + hi, start + wi) for ti in range(t) for hi in range(h) for wi in range(w)
+        ]
+        positions.extend(block)
+        start = max(max(p) for p in block) + 1
+        i += len(block)
+    return torch.tensor(positions).T.unsqueeze(1)  # (3, 1, T)
+
+
+@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2_5_vl"])
+def test_qwen_mm_token_type_ids_give_mrope_positions(folders, kind):
+    processor = load_processor(folders[kind])
+    model = _build_model(folders[kind], kind)
+    batch = _encode_image_sample(processor, size=(84, 56))  # 3x2 merged grid: rows and columns differ
+    image_id = model.config.image_token_id
+    assert torch.equal(batch["mm_token_type_ids"][0], (batch["input_ids"][0] == image_id).long())
+
+    with torch.no_grad():
+        logits = model(**batch).logits
+        reference_positions = _reference_mrope_positions(
+            batch["input_ids"][0],
+            batch["image_grid_thw"],
+            image_id,
+            model.config.vision_config.spatial_merge_size,
+        )
+        without_types = {k: v for k, v in batch.items() if k != "mm_token_type_ids"}
+        reference = model(**without_types, position_ids=reference_positions).logits
+        torch.testing.assert_close(logits, reference, rtol=0, atol=1e-6)
+        if kind == "qwen2_5_vl":  # silently falls back to 1D positions: the logits move
+            assert (model(**without_types).logits - reference).abs().max() > 1e-4
