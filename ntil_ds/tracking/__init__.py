@@ -1,0 +1,25 @@
+"""Experiment tracking: one MLflow run per training job, logged from the main rank only.
+
+The trainer calls::
+
+    tracker = build_tracker(cfg.tracking, is_main=dist.is_main, output_dir=out, run_id=ckpt_run_id,
+                            tags=default_tags(dist, cfg.model.name_or_path, os.environ))
+    tracker.log_params(flatten(cfg)); tracker.log_metrics({...}, step); tracker.log_artifact(path)
+    tracker.finish("FINISHED")
+
+Every record is first appended to a local journal (``<output_dir>/tracking/journal.jsonl``) and sent
+to MLflow by a background thread, so a slow or dead tracking server never stalls training; what could
+not be sent is imported later with ``python -m ntil_ds.tracking import``. See docs/tracking.md.
+"""
+
+from ntil_ds.tracking.tags import default_tags
+from ntil_ds.tracking.tracker import NullTracker, Tracker, TrackingError, build_tracker, resolve_tracking_uri
+
+__all__ = [
+    "NullTracker",
+    "Tracker",
+    "TrackingError",
+    "build_tracker",
+    "default_tags",
+    "resolve_tracking_uri",
+]

@@ -1,0 +1,92 @@
+"""Train with NTIL on DeepSpeed ZeRO-3.
+
+    deepspeed --num_gpus 8 launch/train.py --config configs/train/qwen2vl_7b_clock.yaml train.max_steps=500
+    torchrun --nproc_per_node 8 launch/train.py --config configs/train/qwen2vl_7b_clock.yaml
+    DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 deepspeed --num_gpus 2 launch/train.py \
+        --config configs/train/tiny_qwen2vl_clock.yaml          # the tiny CPU demo
+
+Exit codes: 0 done; 85 (EXIT_PREEMPTED) checkpointed after a preemption request, requeue me;
+2 bad config or data; 1 anything else (a non-finite loss included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from ntil_ds.config import ConfigError, load_config
+from ntil_ds.dist import DistInfo
+from ntil_ds.engine import (
+    init_distributed,
+    load_deepspeed_json,
+    merge_deepspeed_config,
+    tensor_parallel_size,
+)
+from ntil_ds.preemption import EXIT_PREEMPTED, PreemptionWatcher
+
+EXIT_CONFIG_ERROR = 2
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--config", required=True, help="recipe YAML (configs/train/*.yaml)")
+    parser.add_argument("--local_rank", type=int, default=None, help="set by the deepspeed launcher; unused")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.max_steps=10")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    dist_info = DistInfo.from_env()
+    logging.basicConfig(
+        level=logging.INFO if dist_info.is_main else logging.WARNING,
+        format=f"%(asctime)s [rank {dist_info.rank}] %(levelname)s %(name)s: %(message)s",
+    )
+    # Everything a recipe can get wrong is checked here, before any process group or model exists.
+    try:
+        cfg = load_config(args.config, args.overrides)
+        ds_json = load_deepspeed_json(cfg.deepspeed)
+        dist_info = DistInfo.from_env(tp_size=tensor_parallel_size(ds_json))
+        ds_config = merge_deepspeed_config(cfg, ds_json, dist_info.dp_size)
+    except (ConfigError, ValueError) as e:
+        if dist_info.is_main:
+            print(f"config error: {e}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+
+    init_distributed()
+    from ntil_ds.data import DataError  # after the checks: a bad recipe fails fast
+    from ntil_ds.tracking import default_tags
+    from ntil_ds.trainer import NonFiniteLossError, Trainer
+
+    watcher = PreemptionWatcher(flag_file=os.environ.get("NTIL_PREEMPT_FLAG"))
+    try:
+        trainer = Trainer(
+            cfg,
+            ds_config,
+            dist_info,
+            preemption=watcher,
+            tracking_tags=default_tags(dist_info, cfg.model.name_or_path, os.environ),
+        )
+        result = trainer.fit()
+    except (ConfigError, DataError) as e:  # found while building (a freeze flag, a bad data line)
+        if dist_info.is_main:
+            print(f"{'config' if isinstance(e, ConfigError) else 'data'} error: {e}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    except NonFiniteLossError as e:
+        if dist_info.is_main:
+            print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        watcher.close()
+    if result.status == "preempted":
+        logging.getLogger("train").warning("preempted at step %d: checkpoint saved, exiting", result.step)
+        return EXIT_PREEMPTED
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

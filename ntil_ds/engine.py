@@ -1,0 +1,272 @@
+"""DeepSpeed, in one place: the recipe merged into the DeepSpeed JSON, init, backward/step, checkpoints.
+
+This is the only module that imports ``deepspeed``. The recipe (``configs/train/*.yaml``) owns batch
+sizes, accumulation, clipping, precision, optimizer and schedule; the DeepSpeed JSON
+(``configs/deepspeed/*.json``) owns ZeRO stage, offload, buckets and tensor parallelism. A JSON that
+sets one of the recipe's keys to something else is an error naming that key, raised before any model
+is built.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import deepspeed
+import torch
+
+from ntil_ds.config import Config, ConfigError, gradient_accumulation_steps
+
+# Keys whose value the recipe decides; the JSON may repeat them only with the same value (or "auto").
+_RECIPE_OWNED_BLOCKS = ("optimizer", "scheduler")
+_PRECISION_BLOCKS = {"bfloat16": "bf16", "float16": "fp16"}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Config merge (pure: unit-tested without processes)
+
+
+def load_deepspeed_json(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"deepspeed={path} does not exist (give a JSON file from configs/deepspeed/)")
+    try:
+        loaded = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"deepspeed={path} is not valid JSON: {e}") from e
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"deepspeed={path} must hold a JSON object")
+    return loaded
+
+
+def tensor_parallel_size(ds_json: dict[str, Any]) -> int:
+    """``tensor_parallel.autotp_size`` of a DeepSpeed JSON (1 when absent)."""
+    block = ds_json.get("tensor_parallel") or {}
+    size = block.get("autotp_size", 1)
+    if not isinstance(size, int) or size < 1:
+        raise ConfigError(f"tensor_parallel.autotp_size={size!r} in the DeepSpeed JSON must be an int >= 1")
+    return size
+
+
+def merge_deepspeed_config(cfg: Config, ds_json: dict[str, Any], data_parallel_size: int) -> dict[str, Any]:
+    """The DeepSpeed config this run uses: the JSON's tuning plus everything the recipe decides.
+
+    Raises :class:`ConfigError` naming the key when the JSON contradicts the recipe, or when the global
+    batch does not divide into micro-batches over the data-parallel ranks.
+    """
+    merged = copy.deepcopy(ds_json)
+    gas = gradient_accumulation_steps(cfg, data_parallel_size)
+    source = f"the DeepSpeed JSON ({cfg.deepspeed})"
+
+    recipe_values: dict[str, tuple[Any, str]] = {
+        "train_micro_batch_size_per_gpu": (cfg.train.micro_batch_size, "train.micro_batch_size"),
+        "gradient_accumulation_steps": (gas, "train.global_batch_size / (micro_batch_size x dp ranks)"),
+        # DeepSpeed 0.19.8 counts every rank in train_batch_size, tensor-parallel ones included
+        # (its batch check uses the full world size when AutoTP is on): global batch x autotp_size.
+        "train_batch_size": (
+            cfg.train.global_batch_size * tensor_parallel_size(ds_json),
+            "train.global_batch_size x tensor_parallel.autotp_size",
+        ),
+        "gradient_clipping": (cfg.optim.grad_clip, "optim.grad_clip"),
+    }
+    for key, (value, recipe_key) in recipe_values.items():
+        if key in merged and merged[key] != "auto" and merged[key] != value:
+            raise ConfigError(
+                f"{key}={merged[key]!r} in {source} contradicts the recipe's {recipe_key} (= {value!r}); "
+                f"remove {key} from the JSON: the recipe sets it"
+            )
+        merged[key] = value
+
+    for block in _RECIPE_OWNED_BLOCKS:
+        if block in merged:
+            raise ConfigError(
+                f"{block!r} block in {source}: the recipe's optim section sets the {block}; "
+                f"remove {block!r} from the JSON and set optim.* in the recipe instead"
+            )
+
+    wanted = _PRECISION_BLOCKS.get(cfg.model.dtype)  # None for float32
+    for dtype_name, block in _PRECISION_BLOCKS.items():
+        section = merged.get(block)
+        enabled = isinstance(section, dict) and section.get("enabled") not in (False, "auto")
+        if enabled and block != wanted:
+            raise ConfigError(
+                f"{block}.enabled=true in {source} contradicts the recipe's model.dtype={cfg.model.dtype!r}; "
+                f"remove the {block!r} block or set model.dtype={dtype_name}"
+            )
+        if block == wanted:
+            merged[block] = {**(section if isinstance(section, dict) else {}), "enabled": True}
+        elif isinstance(section, dict):
+            merged[block] = {**section, "enabled": False}
+
+    optim = cfg.optim
+    adam_params = {
+        "lr": optim.lr,
+        "betas": [optim.beta1, optim.beta2],
+        "eps": optim.eps,
+        "weight_decay": optim.weight_decay,
+    }
+    if optim.name == "adamw":
+        merged["optimizer"] = {"type": "AdamW", "params": adam_params}
+    elif optim.name == "adamw_torch":
+        merged["optimizer"] = {"type": "AdamW", "params": {**adam_params, "torch_adam": True}}
+    else:  # adamw_8bit: a client optimizer (bitsandbytes) built in TrainingEngine; DeepSpeed must allow it
+        merged["zero_allow_untested_optimizer"] = True
+    # The schedule is a client LambdaLR (see lr_ratio): DeepSpeed's WarmupCosineLR cannot do zero
+    # warmup steps and starts its warmup at lr 0.
+    return merged
+
+
+def lr_ratio(step: int, *, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
+    """Factor on optim.lr for optimizer step ``step`` (0-based): linear warmup, then cosine to the floor.
+
+    Warmup reaches the full lr at its last step; cosine starts at the full lr right after warmup and
+    would reach ``min_lr_ratio`` at step ``max_steps`` (the one after the last).
+    """
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def write_deepspeed_config(ds_config: dict[str, Any], path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(ds_config, indent=2, sort_keys=True) + "\n")
+    return path
+
+
+# ----------------------------------------------------------------------------------------------------
+# Process group
+
+
+def init_distributed() -> None:
+    """Join the process group the launcher set up (gloo on CPU, nccl on GPUs). Idempotent."""
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    deepspeed.init_distributed(dist_backend=backend)
+
+
+def device_for(local_rank: int) -> torch.device:
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+# ----------------------------------------------------------------------------------------------------
+# The engine
+
+
+class TrainingEngine:
+    """A thin wrapper over ``deepspeed.DeepSpeedEngine`` that speaks the trainer's language.
+
+    ``backward`` does NOT divide by gradient_accumulation_steps (``scale_wrt_gas=False``): the trainer
+    normalizes each micro-batch loss itself (see trainer.py for the full contract).
+    """
+
+    def __init__(self, model: torch.nn.Module, cfg: Config, ds_config: dict[str, Any]) -> None:
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        if not trainable:
+            raise ConfigError("no trainable parameters: check model.freeze_* in the recipe")
+        optimizer = self._client_optimizer(cfg, trainable)
+        optim = cfg.optim
+
+        def schedule(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+            return torch.optim.lr_scheduler.LambdaLR(
+                optimizer,
+                lambda step: lr_ratio(
+                    step,
+                    warmup_steps=optim.warmup_steps,
+                    max_steps=cfg.train.max_steps,
+                    min_lr_ratio=optim.min_lr_ratio,
+                ),
+            )
+
+        self.engine, _, _, _ = deepspeed.initialize(
+            model=model,
+            model_parameters=trainable,
+            optimizer=optimizer,
+            lr_scheduler=schedule,
+            config=ds_config,
+        )
+
+    @staticmethod
+    def _client_optimizer(cfg: Config, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer | None:
+        if cfg.optim.name != "adamw_8bit":
+            return None  # DeepSpeed builds it from the merged config's "optimizer" block
+        import bitsandbytes as bnb  # optional dependency: only this optimizer needs it
+
+        o = cfg.optim
+        return bnb.optim.AdamW8bit(
+            params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay
+        )
+
+    # -- the step -------------------------------------------------------------------------------------
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The (ZeRO-partitioned, maybe AutoTP-sharded) model; call it through :meth:`forward`."""
+        return self.engine.module
+
+    def forward(self, **batch: Any) -> Any:
+        return self.engine(**batch)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.engine.backward(loss, scale_wrt_gas=False)
+
+    def step(self) -> None:
+        """Called after every micro-batch; DeepSpeed steps the optimizer at the accumulation boundary."""
+        self.engine.step()
+
+    def train(self) -> None:
+        self.engine.train()
+
+    def eval(self) -> None:
+        self.engine.eval()
+
+    @property
+    def data_parallel_size(self) -> int:
+        """The ranks ZeRO averages gradients over (world size / tensor-parallel size)."""
+        return self.engine.dp_world_size
+
+    @property
+    def global_steps(self) -> int:
+        return self.engine.global_steps
+
+    def lr(self) -> float:
+        return float(self.engine.get_lr()[0])
+
+    def grad_norm(self) -> float:
+        """Norm of the gradients of the last optimizer step, before clipping (NaN if unknown)."""
+        norm = self.engine.get_global_grad_norm()
+        if norm is None:
+            return float("nan")
+        return float(norm.item() if isinstance(norm, torch.Tensor) else norm)
+
+    # -- checkpoints and export -------------------------------------------------------------------------
+
+    def save_checkpoint(self, save_dir: str | Path, tag: str, client_state: dict[str, Any]) -> None:
+        """Collective: every rank writes its partition of weights and optimizer state."""
+        self.engine.save_checkpoint(str(save_dir), tag=tag, client_state=client_state, save_latest=False)
+
+    def load_checkpoint(self, load_dir: str | Path, tag: str) -> dict[str, Any]:
+        """Collective. Returns the client state saved with the checkpoint."""
+        path, client_state = self.engine.load_checkpoint(
+            str(load_dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
+        )
+        if path is None:
+            raise FileNotFoundError(f"DeepSpeed found no checkpoint {tag!r} in {load_dir}")
+        return client_state or {}
+
+    def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
+        """Collective: the full (unpartitioned) weights in the training dtype; rank 0 gets them all."""
+        if self.engine.zero_optimization_partition_weights():  # ZeRO-3: gather every rank's slice
+            return self.engine._zero3_consolidated_16bit_state_dict()
+        return self.engine.module.state_dict()  # ZeRO 0-2 keep whole weights on every rank
+
+    def gathered(self, params: Iterable[torch.nn.Parameter]) -> Any:
+        """Context manager: the full values of ZeRO-3 partitioned params on every rank (read-only)."""
+        return deepspeed.zero.GatheredParameters(list(params), modifier_rank=None)

@@ -1,0 +1,381 @@
+"""NTIL (Numerical Token Integrity Loss, Fei et al., ACL 2025) combined with cross-entropy.
+
+The loss runs in two stages:
+
+1. `vocab_stats.position_stats`: per position, the cross-entropy and the ten digit logits. It is
+   the only part that sees the vocabulary, and it works on the full vocabulary or on one rank's
+   vocabulary shard (then with two small all-reduces, see that module).
+2. This module: everything else, on `[B, T, 10]` tensors that are identical on every rank of a
+   vocabulary-parallel group, so the sharded and the unsharded loss share this code exactly.
+
+Paper mode (the defaults) reproduces the authors' released implementation (xfey/NTIL `ntil.py`),
+which is the reference of `shared/golden/ntil_reference_cases.json`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ntil_ds.loss.numbers import NumberLayout, analyse_numbers
+from ntil_ds.loss.vocab_stats import compute_dtype, position_stats
+
+# Added to NTIL in the rescaling factor CE / (NTIL + eps), as in the reference.
+_RESCALE_EPS = 1e-10
+
+
+@dataclass(frozen=True)
+class NTILOutput:
+    """Result of one `NTILLoss` call (all 0-dim tensors; identical on every rank of a TP group).
+
+    `loss` is differentiable (unless the logits are not); the parts are reported for logging.
+    `loss_sum = loss * num_tokens` lets a trainer sum micro-batches and divide by the global
+    count of labelled tokens of the optimizer step.
+    """
+
+    loss: torch.Tensor  # CE_mean + ntil_lambda * stopgrad(CE_mean / (NTIL + 1e-10)) * NTIL
+    ntil: torch.Tensor  # digit_alpha * emd + abs_alpha * rel + mag_alpha * mag
+    emd: torch.Tensor  # place-weighted EMD, mean over sequences
+    rel: torch.Tensor  # relative number error, mean over sequences
+    mag: torch.Tensor  # order-of-magnitude error, mean over sequences
+    ce_sum: torch.Tensor  # summed cross-entropy over labelled positions
+    ce_mean: torch.Tensor  # ce_sum / num_tokens (0 when there is no labelled token)
+    num_tokens: torch.Tensor  # int64 count of labels != ignore_index
+    loss_sum: torch.Tensor  # loss * num_tokens
+
+
+class NTILLoss:
+    """Cross-entropy plus NTIL on aligned `logits[B, T, V]` and `labels[B, T]`.
+
+    Paper mode (defaults), with `p_t = softmax(z_t[digits])` and runs of digit labels as numbers:
+
+    - token level: `emd_b = mean over digit labels t of digit_exp**k_t * sum_j p_t[j] |j - d_t|`,
+      where `k_t` is the place exponent of the digit in its run (last digit k = 0);
+    - sequence level: per run, the predicted number X is read from a hard straight-through
+      Gumbel-softmax (temperature `gumbel_tau`, noise `gumbel_noise_scale * Gumbel(0, 1)`) over the
+      digit logits, the target Y from the labels; `rel = |X - Y| / (max(X, Y) + 1)` (exactly 0
+      when X == Y) and `mag = log((max(X, Y) + 1) / (min(X, Y) + 1))`, each a mean over the runs
+      of the sequence (two independent noise samples, as in the reference);
+    - `ntil = mean_b(digit_alpha * emd_b + abs_alpha * rel_b + mag_alpha * mag_b)`; digit-free
+      sequences count with 0;
+    - `loss = ce_mean + ntil_lambda * stopgrad(ce_mean / (ntil + 1e-10)) * ntil`: its value is
+      `(1 + ntil_lambda) * ce_mean`, NTIL only shapes the gradient.
+
+    Always on (deviations from the reference that only matter where it breaks): runs longer than
+    `max_number_digits` are read modulo `10**max_number_digits` for X and Y, and their EMD place
+    weight stops growing at `digit_exp**(max_number_digits - 1)`, so nothing overflows; a batch
+    with no labelled token gives loss 0 and zero gradients; `ntil_lambda == 0` gives exactly the
+    cross-entropy (NTIL and its parts are still reported, computed without gradient); when
+    `abs_alpha == mag_alpha == 0` no Gumbel noise is drawn and `rel`/`mag` are reported from the
+    noise-free argmax digits.
+
+    Beyond the paper (off by default):
+
+    - `decimal_numbers=True` (needs `decimal_point_id`): a `.` label between two digit labels
+      joins them into one real number when that stretch holds exactly one such dot ("3.015" is
+      3.015; "1.2.3" stays three integers). Fractional digits get negative exponents, so their EMD
+      weight is `digit_exp**k < 1` and X, Y are real values.
+    - `signed_numbers=True` (needs `minus_sign_id`): a `-` label right before a run (and not right
+      after a digit) makes Y negative. The predicted sign is the model's: X is negative when the
+      minus token is the argmax at the position just before the run, when that position could hold
+      a sign (it is labelled and does not follow a digit; the sign has no gradient, cross-entropy
+      trains it). With `Xs`, `Ys` the signed
+      values and X, Y the magnitudes: `rel = |Xs - Ys| / (max(X, Y) + 1)` (0 when Xs == Ys), which
+      stays in [0, 2) and is the unsigned value when the signs agree; `mag` is unchanged (it
+      compares magnitudes).
+
+    Vocabulary parallel: pass `process_group` and `vocab_start` and this rank's slice
+    `[B, T, V_local]` of the logits (shards may be uneven). Every rank returns the same output and
+    gets the gradient of the global loss for its slice. Communication per call: an all-reduce MAX
+    of B*T floats and an all-reduce SUM of B*T*(3 + 10 [+1 minus] [+20 noise]) floats; nothing
+    depends on V (see `ntil_ds.loss.vocab_stats`). The Gumbel noise is drawn on the group's first
+    rank from `generator` (or the default generator) and travels inside the SUM all-reduce, so all
+    ranks use the same noise whatever their generators; its shape is `[2, B*T, 10]` (the REL and
+    the MAG sample), so the sharded loss with the first rank's generator equals the unsharded loss
+    with a generator in the same state.
+
+    Labels outside the vocabulary (neither `ignore_index` nor a valid id) give a NaN loss instead
+    of an error, because detecting them would need a host sync.
+    """
+
+    def __init__(
+        self,
+        digit_token_ids: Sequence[int],
+        ntil_lambda: float = 0.3,
+        digit_alpha: float = 1.0,
+        abs_alpha: float = 0.2,
+        mag_alpha: float = 0.2,
+        digit_exp: float = 1.2,
+        gumbel_tau: float = 0.1,
+        gumbel_noise_scale: float = 0.01,
+        ignore_index: int = -100,
+        decimal_numbers: bool = False,
+        signed_numbers: bool = False,
+        decimal_point_id: int | None = None,
+        minus_sign_id: int | None = None,
+        max_number_digits: int = 18,
+    ) -> None:
+        ids = list(digit_token_ids)
+        if len(ids) != 10 or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise ValueError(
+                f"digit_token_ids must be the 10 integer token ids of '0'..'9' in that order, got {ids!r}; "
+                "build them with ntil_ds.loss.digit_token_ids_from_tokenizer(tokenizer)."
+            )
+        if len(set(ids)) != 10 or min(ids) < 0:
+            raise ValueError(f"digit_token_ids must be 10 distinct non-negative ids, got {ids}.")
+        for name, value in [("ntil_lambda", ntil_lambda), ("digit_alpha", digit_alpha),
+                            ("abs_alpha", abs_alpha), ("mag_alpha", mag_alpha),
+                            ("gumbel_noise_scale", gumbel_noise_scale)]:  # fmt: skip
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}.")
+        for name, value in [("digit_exp", digit_exp), ("gumbel_tau", gumbel_tau)]:
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}.")
+        if not 1 <= max_number_digits <= 30:
+            raise ValueError(
+                f"max_number_digits must be in [1, 30] (float32 place values), got {max_number_digits}."
+            )
+        if decimal_numbers and decimal_point_id is None:
+            raise ValueError("decimal_numbers=True needs decimal_point_id (the token id of '.').")
+        if signed_numbers and minus_sign_id is None:
+            raise ValueError("signed_numbers=True needs minus_sign_id (the token id of '-').")
+        for name, value in [("decimal_point_id", decimal_point_id), ("minus_sign_id", minus_sign_id)]:
+            if value is not None and (value < 0 or value in ids):
+                raise ValueError(f"{name}={value} must be a non-negative id that is not a digit token.")
+
+        self.digit_token_ids = ids
+        self.ntil_lambda = float(ntil_lambda)
+        self.digit_alpha = float(digit_alpha)
+        self.abs_alpha = float(abs_alpha)
+        self.mag_alpha = float(mag_alpha)
+        self.digit_exp = float(digit_exp)
+        self.gumbel_tau = float(gumbel_tau)
+        self.gumbel_noise_scale = float(gumbel_noise_scale)
+        self.ignore_index = int(ignore_index)
+        self.decimal_point_id = decimal_point_id if decimal_numbers else None
+        self.minus_sign_id = minus_sign_id if signed_numbers else None
+        self.max_number_digits = int(max_number_digits)
+        # Columns gathered per position: the ten digits, then the minus sign in signed mode.
+        self._column_ids = ids + ([minus_sign_id] if self.minus_sign_id is not None else [])
+        self._constants: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __repr__(self) -> str:
+        return (
+            f"NTILLoss(ntil_lambda={self.ntil_lambda}, digit_alpha={self.digit_alpha}, abs_alpha={self.abs_alpha}, "
+            f"mag_alpha={self.mag_alpha}, digit_exp={self.digit_exp}, gumbel_tau={self.gumbel_tau}, "
+            f"gumbel_noise_scale={self.gumbel_noise_scale}, decimal={self.decimal_point_id is not None}, "
+            f"signed={self.minus_sign_id is not None})"
+        )
+
+    @property
+    def uses_gumbel(self) -> bool:
+        """REL/MAG carry gradient (so their straight-through reconstruction is needed)."""
+        return self.abs_alpha > 0 or self.mag_alpha > 0
+
+    def _device_constants(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Digit ids and the float32 place-value table 10**k, k in [-(cap-1), cap-1], plus a 0."""
+        if device not in self._constants:
+            cap = self.max_number_digits
+            places = [10.0**k for k in range(-(cap - 1), cap)] + [0.0]
+            self._constants[device] = (
+                torch.tensor(self.digit_token_ids, dtype=torch.long, device=device),
+                torch.tensor(places, dtype=torch.float32, device=device),
+            )
+        return self._constants[device]
+
+    def _check_inputs(
+        self, logits: torch.Tensor, labels: torch.Tensor, process_group, vocab_start: int
+    ) -> None:
+        if logits.dim() != 3 or labels.dim() != 2 or logits.shape[:2] != labels.shape:
+            raise ValueError(
+                f"NTILLoss expects logits [B, T, V] and labels [B, T] (aligned: shift before the loss), "
+                f"got logits {tuple(logits.shape)} and labels {tuple(labels.shape)}."
+            )
+        if not logits.is_floating_point():
+            raise TypeError(f"logits must be a float tensor, got {logits.dtype}.")
+        if labels.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
+            raise TypeError(f"labels must be an integer tensor of token ids, got {labels.dtype}.")
+        if logits.device != labels.device:
+            raise ValueError(f"logits are on {logits.device} but labels on {labels.device}.")
+        if process_group is None:
+            if vocab_start != 0:
+                raise ValueError("vocab_start is only meaningful with a process_group (vocabulary shards).")
+            if max(self._column_ids) >= logits.shape[-1]:
+                raise ValueError(
+                    f"token id {max(self._column_ids)} (digits/minus) is outside the logits' vocabulary of "
+                    f"{logits.shape[-1]}: are these the right tokenizer's ids?"
+                )
+        elif vocab_start < 0:
+            raise ValueError(f"vocab_start must be >= 0, got {vocab_start}.")
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        labels: torch.Tensor,
+        *,
+        process_group: dist.ProcessGroup | None = None,
+        vocab_start: int = 0,
+        generator: torch.Generator | None = None,
+    ) -> NTILOutput:
+        """Loss of one micro-batch. See the class docstring; no host sync, any B and T."""
+        self._check_inputs(logits, labels, process_group, vocab_start)
+        batch, length, local_vocab = logits.shape
+        num_positions = batch * length
+        digit_ids, place_values = self._device_constants(logits.device)
+        labels = labels.long()
+
+        labelled = labels != self.ignore_index
+        # Stage-1 targets: -1 = no label; other negative ids are invalid and must show up (NaN).
+        targets = torch.where(labelled, torch.where(labels < 0, torch.iinfo(torch.long).max, labels), -1)
+        noise = None
+        if self.uses_gumbel and self.gumbel_noise_scale > 0:
+            exponential = torch.empty(
+                num_positions, 2 * 10, dtype=compute_dtype(logits.dtype), device=logits.device
+            )
+            exponential.exponential_(generator=generator)
+            noise = -exponential.log() * self.gumbel_noise_scale
+        ce, columns, row_max, noise = position_stats(
+            logits.reshape(num_positions, local_vocab),
+            targets.flatten(),
+            self._column_ids,
+            vocab_start=vocab_start,
+            process_group=process_group,
+            payload=noise,
+        )
+
+        num_tokens = labelled.sum()
+        ce_sum = ce.sum()
+        ce_mean = ce_sum / num_tokens.clamp(min=1)
+
+        layout = analyse_numbers(
+            labels,
+            digit_ids,
+            ignore_index=self.ignore_index,
+            decimal_point_id=self.decimal_point_id,
+            minus_sign_id=self.minus_sign_id,
+        )
+        predicted_minus = None
+        if self.minus_sign_id is not None:
+            predicted_minus = columns[:, 10].detach() >= row_max
+        digit_logits = columns[:, :10]
+        rel_noise, mag_noise = (None, None) if noise is None else (noise[:, :10], noise[:, 10:])
+
+        if self.ntil_lambda > 0:
+            emd, rel, mag = self._number_terms(
+                layout, digit_logits, place_values, rel_noise, mag_noise, predicted_minus
+            )
+        else:
+            with torch.no_grad():
+                emd, rel, mag = self._number_terms(
+                    layout, digit_logits.detach(), place_values, rel_noise, mag_noise, predicted_minus
+                )
+        ntil_per_sequence = self.digit_alpha * emd + self.abs_alpha * rel + self.mag_alpha * mag
+        ntil = ntil_per_sequence.mean()
+
+        if self.ntil_lambda > 0:
+            rescale = (ce_mean / (ntil + _RESCALE_EPS)).detach()
+            loss = ce_mean + self.ntil_lambda * rescale * ntil
+        else:
+            loss = ce_mean
+        return NTILOutput(
+            loss=loss,
+            ntil=ntil,
+            emd=emd.mean(),
+            rel=rel.mean(),
+            mag=mag.mean(),
+            ce_sum=ce_sum,
+            ce_mean=ce_mean,
+            num_tokens=num_tokens,
+            loss_sum=loss * num_tokens,
+        )
+
+    def _number_terms(
+        self,
+        layout: NumberLayout,
+        digit_logits: torch.Tensor,
+        place_values: torch.Tensor,
+        rel_noise: torch.Tensor | None,
+        mag_noise: torch.Tensor | None,
+        predicted_minus: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per-sequence EMD, REL and MAG `[B]` from the digit logits `[B*T, 10]` (fp32)."""
+        batch = layout.is_digit.shape[0]
+        is_digit = layout.is_digit.flatten()
+        digit = layout.digit.flatten()
+        place = layout.place.flatten()
+        cap = self.max_number_digits
+
+        # Token level: place-weighted EMD between softmax(digit logits) and the one-hot target.
+        dtype = digit_logits.dtype
+        digit_values = torch.arange(10, dtype=dtype, device=digit_logits.device)
+        distance = (digit_values[None, :] - digit[:, None]).abs()
+        emd_per_position = (digit_logits.softmax(dim=-1) * distance).sum(dim=-1)
+        weight = torch.tensor(self.digit_exp, dtype=dtype, device=place.device) ** place.clamp(max=cap - 1)
+        weighted = torch.where(is_digit, emd_per_position * weight, 0.0).view(batch, -1)
+        emd = weighted.sum(dim=1) / layout.digits_per_sequence.clamp(min=1)
+
+        # Sequence level: numbers per run. Digits beyond the cap read as 0 (index of the 0 entry).
+        in_range = is_digit & (place > -cap) & (place < cap)
+        place_index = torch.where(in_range, place + cap - 1, 2 * cap - 1)
+        place_value = place_values.to(dtype)[place_index]
+        num_slots = is_digit.numel()
+
+        def run_sum(per_position: torch.Tensor) -> torch.Tensor:
+            out = torch.zeros(num_slots + 1, dtype=per_position.dtype, device=per_position.device)
+            return out.index_add_(0, layout.run_slot, per_position * place_value)[:num_slots]
+
+        target = run_sum(digit.to(dtype))
+        target_sign = torch.where(layout.run_negative, -1.0, 1.0).to(dtype)
+        predicted_sign = torch.ones_like(target_sign)
+        if predicted_minus is not None:
+            sign_position = layout.run_sign_position
+            negative = predicted_minus[sign_position.clamp(min=0)] & (sign_position >= 0)
+            predicted_sign = torch.where(negative, -1.0, 1.0).to(dtype)
+
+        def predicted_numbers(noise: torch.Tensor | None) -> torch.Tensor:
+            return run_sum(self._straight_through_digit(digit_logits, noise))
+
+        if self.uses_gumbel:
+            predicted_for_rel = predicted_numbers(rel_noise)
+            predicted_for_mag = predicted_numbers(mag_noise) if mag_noise is not None else predicted_for_rel
+        else:
+            with torch.no_grad():
+                predicted_for_rel = predicted_for_mag = predicted_numbers(None)
+
+        signed_prediction = predicted_sign * predicted_for_rel
+        signed_target = target_sign * target
+        rel_per_run = (signed_prediction - signed_target).abs() / (
+            torch.maximum(predicted_for_rel, target) + 1.0
+        )
+        rel_per_run = torch.where(signed_prediction == signed_target, 0.0, rel_per_run)
+        mag_per_run = torch.log(
+            (torch.maximum(predicted_for_mag, target) + 1.0)
+            / (torch.minimum(predicted_for_mag, target) + 1.0)
+        )
+
+        runs = layout.runs_per_sequence.clamp(min=1)
+        sequence = layout.run_sequence
+
+        def per_sequence(per_run: torch.Tensor) -> torch.Tensor:
+            per_run = torch.where(layout.run_exists, per_run, 0.0)
+            return (
+                torch.zeros(batch, dtype=dtype, device=per_run.device).index_add_(0, sequence, per_run) / runs
+            )
+
+        return emd, per_sequence(rel_per_run), per_sequence(mag_per_run)
+
+    def _straight_through_digit(self, digit_logits: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:
+        """Digit value per position: argmax digit forward, Gumbel-softmax gradient backward.
+
+        Written as the reference writes it (`onehot - soft.detach() + soft`, then `@ arange`) so
+        the forward values carry the same float32 rounding, which the golden gradients depend on.
+        """
+        noisy = digit_logits if noise is None else digit_logits + noise
+        soft = (noisy / self.gumbel_tau).softmax(dim=-1)
+        hard = torch.zeros_like(soft).scatter_(-1, soft.argmax(dim=-1, keepdim=True), 1.0)
+        straight_through = hard - soft.detach() + soft
+        return straight_through @ torch.arange(10, dtype=soft.dtype, device=digit_logits.device)

@@ -1,0 +1,159 @@
+"""Build the model from ``cfg.model``: pretrained or random, LLM or MLLM, frozen parts.
+
+Under ZeRO-3 the model must be partitioned while it is constructed (a 7B model does not fit on one
+rank first): :func:`load_model` creates ``HfDeepSpeedConfig`` before ``from_pretrained`` /
+``from_config`` so transformers wraps construction in ``deepspeed.zero.Init`` and still applies its own
+weight init. transformers keeps only a weak reference to that object, so :class:`LoadedModel` holds it
+for as long as the model lives. The processor is loaded by ``ntil_ds.data.load_processor`` (the data
+pipeline owns it); the trainer brings the two together.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from ntil_ds.config import ConfigError, ModelConfig
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Parameter-name markers of the parts the freeze flags address, across the model families we train
+# (transformers 5.x names): Qwen2-VL / Qwen2.5-VL / Qwen3-VL keep the vision tower in ``model.visual``
+# with the projector as ``visual.merger`` (+ ``deepstack_merger_list`` in Qwen3-VL); LLaVA-style models
+# have ``vision_tower`` and ``multi_modal_projector``; the language model is ``language_model`` plus
+# the output head.
+_PROJECTOR_MARKERS = ("multi_modal_projector.", "visual.merger.", "visual.deepstack_merger_list.")
+_VISION_MARKERS = ("vision_tower.", "visual.", "vision_model.")
+_LANGUAGE_MARKERS = ("language_model.", "lm_head.")
+
+ModelPart = Literal["vision_tower", "projector", "language_model", "other"]
+
+
+@dataclass
+class LoadedModel:
+    """A built model with what belongs with it."""
+
+    model: nn.Module
+    kind: Literal["mllm", "llm"]
+    dtype: torch.dtype
+    attn_implementation: str
+    # HfDeepSpeedConfig: must outlive the model under ZeRO-3 (transformers holds a weakref).
+    zero3_config: Any = field(default=None, repr=False)
+
+
+def resolve_attn_implementation(requested: str) -> str:
+    """``auto`` -> flash_attention_2 when flash-attn is importable and CUDA is there, else sdpa."""
+    flash_ok = importlib.util.find_spec("flash_attn") is not None and torch.cuda.is_available()
+    if requested == "auto":
+        return "flash_attention_2" if flash_ok else "sdpa"
+    if requested == "flash_attention_2" and not flash_ok:
+        raise ConfigError(
+            "model.attn_implementation=flash_attention_2 needs the flash-attn package and a CUDA GPU; "
+            "install flash-attn (pip install flash-attn) or set model.attn_implementation=auto"
+        )
+    return requested
+
+
+def model_kind(cfg: ModelConfig, hf_config: Any) -> Literal["mllm", "llm"]:
+    """``auto``: an MLLM when the config has a vision part, else an LLM."""
+    if cfg.kind != "auto":
+        return cfg.kind
+    return "mllm" if getattr(hf_config, "vision_config", None) is not None else "llm"
+
+
+def load_model(cfg: ModelConfig, ds_config: dict[str, Any] | None = None) -> LoadedModel:
+    """Build the model described by ``cfg`` (random weights come from torch's global RNG: seed first).
+
+    ``ds_config``: the merged DeepSpeed config; with ZeRO stage 3 the parameters are partitioned over
+    the ranks as they are created. None: a plain single-process model (evaluation, export checks).
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.integrations import HfDeepSpeedConfig
+
+    # Created before the model, kept alive in the result: this is what turns on zero.Init.
+    zero3_config = HfDeepSpeedConfig(ds_config) if ds_config is not None else None
+
+    hf_config = AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
+    kind = model_kind(cfg, hf_config)
+    auto_class = AutoModelForImageTextToText if kind == "mllm" else AutoModelForCausalLM
+    attn = resolve_attn_implementation(cfg.attn_implementation)
+    dtype = DTYPES[cfg.dtype]
+    common = {"dtype": dtype, "attn_implementation": attn, "trust_remote_code": cfg.trust_remote_code}
+    if cfg.init == "random":
+        model = auto_class.from_config(hf_config, **common)
+    else:
+        model = auto_class.from_pretrained(cfg.name_or_path, config=hf_config, **common)
+    log.info(
+        "model %s (%s, %s, init=%s) attention=%s",
+        cfg.name_or_path,
+        type(model).__name__,
+        cfg.dtype,
+        cfg.init,
+        attn,
+    )
+
+    if cfg.gradient_checkpointing:
+        # Non-reentrant: works with frozen inputs (a frozen embedding under a trained LM) and ZeRO-3.
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    frozen = freeze_parts(model, cfg)
+    if frozen:
+        log.info("frozen: %s", ", ".join(f"{part} ({n} tensors)" for part, n in frozen.items()))
+    return LoadedModel(
+        model=model,
+        kind=kind,
+        dtype=dtype,
+        attn_implementation=attn,
+        zero3_config=zero3_config,
+    )
+
+
+def model_part(param_name: str) -> ModelPart:
+    """Which part a parameter belongs to, by its name (projector is checked before the vision tower,
+    since Qwen's projector lives inside ``visual``)."""
+    name = f".{param_name}"
+    if any(f".{m}" in name for m in _PROJECTOR_MARKERS):
+        return "projector"
+    if any(f".{m}" in name for m in _VISION_MARKERS):
+        return "vision_tower"
+    if any(f".{m}" in name for m in _LANGUAGE_MARKERS):
+        return "language_model"
+    return "other"
+
+
+def freeze_parts(model: nn.Module, cfg: ModelConfig) -> dict[str, int]:
+    """Apply ``model.freeze_*``; returns how many tensors each part froze.
+
+    A flag that matches no parameter is an error (e.g. freeze_vision_tower on a text-only model): it
+    would silently train what the recipe meant to freeze. For an LLM, every parameter is the language
+    model.
+    """
+    wanted = {
+        "vision_tower": cfg.freeze_vision_tower,
+        "projector": cfg.freeze_projector,
+        "language_model": cfg.freeze_language_model,
+    }
+    has_vision = getattr(model.config, "vision_config", None) is not None
+    counts: dict[str, int] = {part: 0 for part, on in wanted.items() if on}
+    for name, param in model.named_parameters():
+        part = model_part(name) if has_vision else "language_model"
+        if part == "other" and has_vision:
+            # Embeddings / norms outside named sub-models belong to the language model.
+            part = "language_model"
+        if wanted.get(part, False):
+            param.requires_grad_(False)
+            counts[part] += 1
+    for part, n in counts.items():
+        if n == 0:
+            raise ConfigError(
+                f"model.freeze_{part}=true but {type(model).__name__} has no {part.replace('_', ' ')} "
+                f"parameters; set model.freeze_{part}=false"
+            )
+    return counts

@@ -1,0 +1,105 @@
+"""Plots logged with a run: loss curves, and the numeric error by digit position.
+
+Drawn with ``matplotlib.figure.Figure`` (no pyplot): no GUI backend, no global figure state, so it
+works in a headless job and from any thread.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
+# Metric names (last part after "/") drawn in each panel of the loss plot.
+OBJECTIVE_KEYS = ("loss", "ce", "ntil")
+NTIL_PART_KEYS = ("emd", "rel", "mag")
+
+# Per-position digit accuracy as ntil_ds.metrics.score names it (units = position 0), under any prefix.
+DIGIT_POSITION_KEY = re.compile(r"^(?P<prefix>.*?)digit_acc_pos(?P<position>\d+)$")
+
+History = dict[str, dict[int, float]]  # metric key -> {step: value}
+
+
+def _keys_named(history: History, names: tuple[str, ...]) -> list[str]:
+    return sorted(k for k in history if k.rsplit("/", 1)[-1] in names and history[k])
+
+
+def plot_loss_curves(history: History, path: Path) -> Path | None:
+    """Loss, CE and NTIL (train and eval) on the left, NTIL's parts on the right; None without losses."""
+    panels = [
+        ("objective", _keys_named(history, OBJECTIVE_KEYS)),
+        ("NTIL parts", _keys_named(history, NTIL_PART_KEYS)),
+    ]
+    panels = [(title, keys) for title, keys in panels if keys]
+    if not panels:
+        return None
+    fig = Figure(figsize=(6 * len(panels), 4.2), layout="constrained")
+    for ax, (title, keys) in zip(fig.subplots(1, len(panels), squeeze=False)[0], panels, strict=True):
+        for key in keys:
+            steps = sorted(history[key])
+            split, _, name = key.rpartition("/")
+            # One colour per quantity, one line style per split: eval/ce sits dashed on train/ce.
+            ax.plot(
+                steps,
+                [history[key][s] for s in steps],
+                color=f"C{[*OBJECTIVE_KEYS, *NTIL_PART_KEYS].index(name)}",
+                linestyle="--" if split.startswith("eval") else "-",
+                marker="." if len(steps) < 50 else None,
+                label=key,
+            )
+        ax.set_title(title)
+        ax.set_xlabel("optimizer step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def plot_digit_position_error(series: dict[str, dict[int, float]], path: Path) -> Path:
+    """Error rate (1 - accuracy) per digit position, units first; one line per series (e.g. per eval step
+    or per model), from ``{label: {position: accuracy}}``."""
+    fig = Figure(figsize=(6, 4.2), layout="constrained")
+    ax = fig.subplots()
+    for label, accuracy in series.items():
+        positions = sorted(accuracy)
+        ax.plot(positions, [1.0 - accuracy[p] for p in positions], marker="o", label=label)
+    ax.set_title("numeric error by digit position")
+    ax.set_xlabel("digit position (0 = units, 1 = tens, ...)")
+    ax.set_ylabel("error rate")
+    ax.set_ylim(0.0, 1.05)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def digit_position_series(history: History) -> dict[str, dict[int, float]]:
+    """From a run's history: the per-position accuracies at the first and the last step that has them."""
+    by_step: dict[tuple[str, int], dict[int, float]] = {}
+    for key, values in history.items():
+        match = DIGIT_POSITION_KEY.match(key)
+        if match is None:
+            continue
+        for step, value in values.items():
+            by_step.setdefault((match["prefix"], step), {})[int(match["position"])] = value
+    if not by_step:
+        return {}
+    steps = sorted(by_step, key=lambda prefix_step: prefix_step[1])
+    chosen = [steps[0]] if steps[0] == steps[-1] else [steps[0], steps[-1]]
+    return {f"{prefix}step {step}": by_step[(prefix, step)] for prefix, step in chosen}
+
+
+def plot_run_history(history: History, out_dir: Path) -> list[Path]:
+    """Every plot the history allows, as PNGs in ``out_dir``: loss curves; digit-position error when
+    the run logged ``digit_acc_pos<i>`` metrics."""
+    drawn = [plot_loss_curves(history, Path(out_dir) / "loss_curves.png")]
+    series = digit_position_series(history)
+    if series:
+        drawn.append(plot_digit_position_error(series, Path(out_dir) / "digit_position_error.png"))
+    return [path for path in drawn if path is not None]

@@ -1,0 +1,42 @@
+"""launch/train.py, unchanged, with a probe on the AutoTP vocab-parallel output head.
+
+A global forward hook records, for every forward of the module DeepSpeed built with
+``vocab_parallel_lm_head``, the shape of its output and the vocabulary rows it holds; each rank writes
+them to ``$LOGITS_PROBE_DIR/rank<R>.json`` when the run ends. Used by test_autotp.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import sys
+from pathlib import Path
+
+import torch
+
+TRAIN_SCRIPT = Path(__file__).resolve().parents[2] / "launch" / "train.py"
+records: list[dict] = []
+
+
+def probe(module: torch.nn.Module, inputs: tuple, output: torch.Tensor) -> None:
+    if getattr(module, "is_vocab_parallel_lm_head", False):
+        records.append(
+            {
+                "shape": list(output.shape),
+                "vocab_start": int(module.vocab_start_index),
+                "vocab_end": int(module.vocab_end_index),
+                "vocab_size": int(module.vocab_size),
+            }
+        )
+
+
+if __name__ == "__main__":
+    handle = torch.nn.modules.module.register_module_forward_hook(probe)
+    sys.argv = [str(TRAIN_SCRIPT), *sys.argv[1:]]
+    try:
+        runpy.run_path(str(TRAIN_SCRIPT), run_name="__main__")
+    finally:
+        handle.remove()
+        out = Path(os.environ["LOGITS_PROBE_DIR"]) / f"rank{os.environ['RANK']}.json"
+        out.write_text(json.dumps(records))

@@ -1,0 +1,71 @@
+"""launch/train.py's job with a loss that turns NaN on one rank at one micro-batch (for the NaN test).
+
+    torchrun ... tests/distributed/nan_train.py --config R.yaml key=value ...   (env: NAN_AT_STEP, NAN_ON_RANK)
+
+The poisoned micro-batch is micro-batch 1 of step NAN_AT_STEP on rank NAN_ON_RANK. When the trainer stops
+with NonFiniteLossError, this script exports the weights (a collective, so every rank joins) to
+<output_dir>/after_nan, for the test to compare with the checkpoint of the step before, and exits 3.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from pathlib import Path
+
+from launch.train import parse_args
+from ntil_ds.checkpoint import export_hf_folder
+from ntil_ds.config import load_config
+from ntil_ds.dist import DistInfo
+from ntil_ds.engine import init_distributed, load_deepspeed_json, merge_deepspeed_config
+from ntil_ds.trainer import NonFiniteLossError, Trainer
+
+EXIT_STOPPED_ON_NAN = 3
+
+
+class PoisonedLoss:
+    """The real loss, with a NaN on one rank at one micro-batch."""
+
+    def __init__(self, loss_fn, grad_accum: int, step: int, rank: int, this_rank: int) -> None:
+        self.loss_fn, self.grad_accum = loss_fn, grad_accum
+        self.poisoned_call = (step - 1) * grad_accum + 1 if rank == this_rank else -1
+        self.calls = 0
+        self.digit_token_ids = loss_fn.digit_token_ids
+
+    def __call__(self, *args, **kwargs):
+        out = self.loss_fn(*args, **kwargs)
+        if self.calls == self.poisoned_call:
+            nan = float("nan")
+            out = dataclasses.replace(out, loss=out.loss * nan, loss_sum=out.loss_sum * nan)
+        self.calls += 1
+        return out
+
+
+def main() -> int:
+    args = parse_args()
+    cfg = load_config(args.config, args.overrides)
+    dist_info = DistInfo.from_env()
+    ds_config = merge_deepspeed_config(cfg, load_deepspeed_json(cfg.deepspeed), dist_info.dp_size)
+    init_distributed()
+    trainer = Trainer(cfg, ds_config, dist_info)
+    trainer.loss_fn = PoisonedLoss(
+        trainer.loss_fn,
+        trainer.grad_accum,
+        int(os.environ["NAN_AT_STEP"]),
+        int(os.environ["NAN_ON_RANK"]),
+        dist_info.rank,
+    )
+    try:
+        trainer.fit()
+    except NonFiniteLossError as error:
+        print(f"[rank {dist_info.rank}] {error}", flush=True)
+        export_hf_folder(
+            trainer.engine, trainer.processor, Path(cfg.output_dir) / "after_nan", dist_info.is_main
+        )
+        return EXIT_STOPPED_ON_NAN
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""Failing well: a NaN loss stops the job before the optimizer steps, naming where; a bad recipe fails
+at start, before any model is built, with a message that names the key."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.distributed.training_runs import (
+    REPO_ROOT,
+    TINY_RECIPE,
+    TRAIN_SCRIPT,
+    launch_env,
+    run_training,
+    train_args,
+    train_metrics,
+    write_mixed_arithmetic_data,
+)
+
+pytestmark = [pytest.mark.distributed]
+
+
+@pytest.fixture(scope="module")
+def tiny_setup(tmp_path_factory):
+    from ntil_ds.model.tiny import build_tiny_model_folder
+
+    root = tmp_path_factory.mktemp("failures")
+    model_dir = build_tiny_model_folder("qwen2_vl", root / "model")
+    data_file = write_mixed_arithmetic_data(root / "data", n=16, image_size=56)
+    return root, model_dir, data_file
+
+
+def overrides(root: Path, model_dir: Path, data_file: Path, name: str, **extra: object) -> dict[str, object]:
+    return {
+        "output_dir": root / name,
+        "model.name_or_path": model_dir,
+        "model.init": "random",
+        "model.dtype": "float32",
+        "data.train_file": data_file,
+        "data.eval_file": "",
+        "data.max_seq_len": 128,
+        "data.shuffle": "false",
+        "optim.name": "adamw_torch",
+        "optim.warmup_steps": 0,
+        "train.max_steps": 4,
+        "train.micro_batch_size": 2,
+        "train.global_batch_size": 8,
+        "train.save_every": 1,
+        "train.export_at_end": "false",
+        "tracking.enabled": "false",
+        **extra,
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_nan_loss_stops_before_the_optimizer_step_naming_step_rank_and_batch(tiny_setup):
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from transformers import AutoModelForImageTextToText
+
+    root, model_dir, data_file = tiny_setup
+    out = root / "nan"
+    result = run_training(
+        overrides(root, model_dir, data_file, "nan"),
+        script=REPO_ROOT / "tests" / "distributed" / "nan_train.py",
+        env=launch_env(NAN_AT_STEP="2", NAN_ON_RANK="1"),
+    )
+    assert result.returncode != 0, result.stdout[-4000:]
+    log = result.stdout
+    assert "non-finite loss at step 2" in log, log[-4000:]
+    # Rank 1's micro-batch 1 of step 2 = stream positions 13 and 15 (2 ranks, micro-batch 2, no shuffle).
+    assert "rank 1 (dp rank 1), micro-batch 1 of the step, samples [13, 15]" in log, log[-4000:]
+    assert "loss_sum=nan" in log
+    # Both ranks stopped with the same diagnosis (rank 0 saw a finite loss itself).
+    assert log.count("non-finite loss at step 2") >= 2
+    assert sorted(train_metrics(out)) == [1]  # step 2 never completed
+    # The weights are exactly those after step 1: the optimizer did not apply the NaN gradients.
+    after_step_1 = get_fp32_state_dict_from_zero_checkpoint(str(out / "checkpoints"), tag="step_00000001")
+    after_nan = AutoModelForImageTextToText.from_pretrained(out / "after_nan", dtype=torch.float32).state_dict()
+    for name, value in after_step_1.items():
+        assert torch.equal(after_nan[name], value), name
+
+
+@pytest.mark.timeout(200)
+def test_global_batch_not_divisible_by_micro_batch_times_ranks_fails_at_start(tiny_setup):
+    root, model_dir, data_file = tiny_setup
+    result = run_training(
+        overrides(root, model_dir, data_file, "bad_batch", **{"train.global_batch_size": 6}), timeout=180
+    )
+    assert result.returncode != 0
+    assert (
+        "train.global_batch_size=6 is not divisible by train.micro_batch_size=2 x 2 data-parallel ranks"
+        in result.stdout
+    )
+    assert "Traceback" not in result.stdout.split("config error")[0]  # a message, not a crash
+    assert not (root / "bad_batch").exists()  # failed before touching anything
+
+
+def test_deepspeed_json_contradicting_the_recipe_fails_at_start(tiny_setup, tmp_path):
+    root, model_dir, data_file = tiny_setup
+    ds_json = json.loads((REPO_ROOT / "configs" / "deepspeed" / "zero3.json").read_text())
+    ds_json["gradient_clipping"] = 0.5
+    bad = tmp_path / "zero3_clip.json"
+    bad.write_text(json.dumps(ds_json))
+    args = train_args(TINY_RECIPE, overrides(root, model_dir, data_file, "bad_json", deepspeed=bad))
+    result = subprocess.run(
+        [sys.executable, str(TRAIN_SCRIPT), *args],
+        cwd=REPO_ROOT,
+        env=launch_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "gradient_clipping=0.5" in result.stderr and "optim.grad_clip" in result.stderr
+    assert not (root / "bad_json").exists()

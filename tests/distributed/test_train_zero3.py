@@ -1,0 +1,221 @@
+"""The real job, 2 CPU processes on ZeRO-3: NTIL trains tiny Qwen2-VL and LLaVA on mixed text/image
+batches, a killed job resumes exactly, and the export loads without DeepSpeed.
+
+One uninterrupted Qwen2-VL run (deepspeed launcher) serves several tests: loss falls, the resume
+reference, the export check.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from tests.distributed.training_runs import (
+    REPO_ROOT,
+    TINY_RECIPE,
+    TRAIN_SCRIPT,
+    launch_env,
+    launcher_command,
+    run_training,
+    train_args,
+    train_metrics,
+    write_mixed_arithmetic_data,
+)
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+STEPS = 6
+
+
+def base_overrides(model_dir: Path, data_file: Path, output_dir: Path) -> dict[str, object]:
+    return {
+        "output_dir": output_dir,
+        "model.name_or_path": model_dir,
+        "model.init": "random",
+        "model.dtype": "float32",  # exact comparisons (resume, export)
+        "data.train_file": data_file,
+        "data.eval_file": "",
+        "data.max_seq_len": 128,
+        "data.shuffle": "false",  # the data file's block pattern decides who gets images
+        "loss.name": "ntil",
+        "optim.name": "adamw_torch",
+        "optim.lr": 3e-3,
+        "optim.warmup_steps": 0,
+        "optim.min_lr_ratio": 0.1,
+        "train.max_steps": STEPS,
+        "train.micro_batch_size": 2,
+        "train.global_batch_size": 8,  # 2 ranks x 2 x 2 accumulation steps
+        "train.save_every": 3,
+        "train.eval_every": 0,
+        "train.log_every": 1,
+        "train.export_at_end": "false",
+        "tracking.enabled": "false",
+    }
+
+
+@pytest.fixture(scope="module")
+def qwen_setup(tmp_path_factory):
+    from ntil_ds.model.tiny import build_tiny_model_folder
+
+    root = tmp_path_factory.mktemp("qwen2vl")
+    model_dir = build_tiny_model_folder("qwen2_vl", root / "model")
+    data_file = write_mixed_arithmetic_data(root / "data", n=48, image_size=56)
+    return root, model_dir, data_file
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_run(qwen_setup):
+    """6 steps, checkpoint at 3 and 6, eval at 3 and 6, tracked in MLflow, exported at the end."""
+    root, model_dir, data_file = qwen_setup
+    out = root / "uninterrupted"
+    overrides = {
+        **base_overrides(model_dir, data_file, out),
+        "data.eval_file": data_file,
+        "train.eval_every": 3,
+        "train.export_at_end": "true",
+        "tracking.enabled": "true",
+        "tracking.uri": f"sqlite:///{root / 'mlflow.db'}",
+    }
+    result = run_training(overrides, launcher="deepspeed")
+    assert result.returncode == 0, result.stdout[-6000:]
+    return out, result.stdout
+
+
+@pytest.mark.timeout(1200)
+def test_ntil_loss_falls_on_mixed_text_and_image_batches(uninterrupted_run):
+    out, log = uninterrupted_run
+    metrics = train_metrics(out)
+    assert sorted(metrics) == list(range(1, STEPS + 1))
+    for record in metrics.values():
+        for key in ("loss", "ce", "ntil", "emd", "rel", "mag", "lr", "grad_norm", "tokens_per_s"):
+            assert math.isfinite(record[key]), (key, record)
+        # The logged loss is NTIL's value: (1 + ntil_lambda) x CE per token.
+        assert record["loss"] == pytest.approx(1.3 * record["ce"], rel=1e-5)
+    losses = [metrics[s]["loss"] for s in range(1, STEPS + 1)]
+    assert losses[-1] < 0.9 * losses[0], losses
+    # The schedule: cosine from optim.lr (no warmup) towards lr x min_lr_ratio.
+    assert metrics[1]["lr"] == pytest.approx(3e-3)
+    assert all(metrics[s]["lr"] > metrics[s + 1]["lr"] for s in range(1, STEPS))
+    evals = train_metrics(out, split="eval")
+    assert sorted(evals) == [3, 6]
+    assert evals[6]["loss"] < evals[3]["loss"]
+    assert all(0.0 <= e["token_acc"] <= 1.0 and 0.0 <= e["digit_acc"] <= 1.0 for e in evals.values())
+    # The run is reproducible from what it wrote: resolved recipe + merged DeepSpeed config.
+    assert (out / "config.yaml").is_file()
+    ds = (out / "deepspeed.json").read_text()
+    assert '"train_batch_size": 8' in ds and '"gradient_accumulation_steps": 2' in ds
+    assert "step 6/6 loss" in log  # rank 0's step log
+
+
+@pytest.mark.timeout(1500)
+def test_killed_job_resumes_and_reproduces_the_uninterrupted_losses(qwen_setup, uninterrupted_run):
+    root, model_dir, data_file = qwen_setup
+    reference = train_metrics(uninterrupted_run[0])
+    out = root / "killed"
+    overrides = {
+        **base_overrides(model_dir, data_file, out),
+        "tracking.enabled": "true",
+        "tracking.uri": f"sqlite:///{root / 'mlflow_resume.db'}",
+    }
+    command = launcher_command("torchrun", 2, TRAIN_SCRIPT, train_args(TINY_RECIPE, overrides))
+    job = subprocess.Popen(
+        command,
+        cwd=REPO_ROOT,
+        env=launch_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    marker = out / "checkpoints" / "step_00000003" / "COMPLETE"
+    try:
+        deadline = time.monotonic() + 500
+        while not marker.exists() and job.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert marker.exists(), "the job never completed its step-3 checkpoint"
+    finally:
+        # The whole job, as a node failure would: launcher and workers (torchrun starts its workers in
+        # sessions of their own, so they are found as descendants, not by process group).
+        job_processes = [psutil.Process(job.pid), *psutil.Process(job.pid).children(recursive=True)]
+        for process in job_processes:
+            process.kill()
+        psutil.wait_procs(job_processes, timeout=60)
+        job.wait(timeout=60)
+    assert not (out / "checkpoints" / "step_00000006").exists(), "the job finished before it was killed"
+    # A checkpoint the dying job was writing: must never be picked.
+    half_written = out / "checkpoints" / "step_00000005"
+    half_written.mkdir(exist_ok=True)
+    (half_written / "zero_pp_rank_0_mp_rank_00_model_states.pt").write_bytes(b"truncated")
+    first_run_id = (out / "checkpoints" / "step_00000003" / "trainer_state.json").read_text()
+
+    resumed = run_training(overrides)  # resume=auto (the recipe's default)
+    assert resumed.returncode == 0, resumed.stdout[-6000:]
+    assert "resumed from" in resumed.stdout and "step_00000003" in resumed.stdout
+    metrics = train_metrics(out)
+    for step in range(1, STEPS + 1):
+        for key in ("loss", "ce", "ntil", "grad_norm"):
+            assert metrics[step][key] == pytest.approx(reference[step][key], rel=1e-6, abs=1e-7), (step, key)
+    # The resumed job continued the same MLflow run.
+    run_id = json.loads(first_run_id)["tracker_run_id"]
+    assert run_id
+    final = json.loads((out / "checkpoints" / "step_00000006" / "trainer_state.json").read_text())
+    assert final["tracker_run_id"] == run_id and final["step"] == STEPS
+
+
+@pytest.mark.timeout(1200)
+def test_export_loads_without_deepspeed_and_matches_the_trained_weights(qwen_setup, uninterrupted_run):
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from ntil_ds.data import Collator, ConversationDataset, load_processor
+
+    _, model_dir, data_file = qwen_setup
+    out = uninterrupted_run[0]
+    exported = AutoModelForImageTextToText.from_pretrained(out / "export", dtype=torch.float32).eval()
+    # The reference: the fp32 master weights DeepSpeed kept in its ZeRO-3 partitions at the last step.
+    trained = AutoModelForImageTextToText.from_config(
+        AutoConfig.from_pretrained(model_dir), dtype=torch.float32
+    )
+    masters = get_fp32_state_dict_from_zero_checkpoint(str(out / "checkpoints"), tag="step_00000006")
+    missing, unexpected = trained.load_state_dict(masters, strict=False)
+    assert not missing and not unexpected, (missing, unexpected)
+    trained.eval()
+
+    processor = load_processor(out / "export")  # the exported processor works
+    dataset = ConversationDataset(data_file, processor, max_seq_len=128)
+    batch = Collator(processor)([dataset[i] for i in (0, 1, 4, 8)])  # images and text
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    with torch.no_grad():
+        assert torch.equal(exported(**inputs).logits, trained(**inputs).logits)
+    for name, value in masters.items():
+        assert torch.equal(exported.state_dict()[name], value), name
+
+
+@pytest.fixture(scope="module")
+def llava_setup(tmp_path_factory):
+    from ntil_ds.model.tiny import build_tiny_model_folder
+
+    root = tmp_path_factory.mktemp("llava")
+    model_dir = build_tiny_model_folder("llava", root / "model")
+    data_file = write_mixed_arithmetic_data(root / "data", n=48, image_size=28)
+    return root, model_dir, data_file
+
+
+@pytest.mark.timeout(1200)
+def test_llava_ntil_loss_falls_on_mixed_batches(llava_setup):
+    root, model_dir, data_file = llava_setup
+    out = root / "run"
+    overrides = {**base_overrides(model_dir, data_file, out), "train.save_every": 0}
+    result = run_training(overrides)
+    assert result.returncode == 0, result.stdout[-6000:]
+    metrics = train_metrics(out)
+    losses = [metrics[s]["loss"] for s in range(1, STEPS + 1)]
+    assert all(math.isfinite(v) for v in losses), losses
+    assert losses[-1] < 0.9 * losses[0], losses
+    assert all(metrics[s]["ntil"] > 0 for s in metrics)  # NTIL is on, and sees the digits

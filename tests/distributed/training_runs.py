@@ -1,0 +1,134 @@
+"""Launch real training jobs (torchrun / deepspeed launcher, 2 CPU processes) and read what they wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from PIL import Image, ImageDraw
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+TRAIN_SCRIPT = REPO_ROOT / "launch" / "train.py"
+TINY_RECIPE = REPO_ROOT / "configs" / "train" / "tiny_qwen2vl_clock.yaml"
+LAUNCH_TIMEOUT_S = 540  # generous: an outer guard against hangs, not a speed check
+
+
+def launch_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        OMP_NUM_THREADS="1",
+        DS_ACCELERATOR="cpu",
+        TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO_ROOT / ".torch_extensions")),
+        TOKENIZERS_PARALLELISM="false",
+        HF_HUB_OFFLINE="1",
+        PYTHONPATH=os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+    )
+    env.update(extra)
+    return env
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launcher_command(launcher: str, nproc: int, script: Path, args: list[str]) -> list[str]:
+    if launcher == "deepspeed":
+        deepspeed = Path(sys.executable).with_name("deepspeed")
+        return [
+            str(deepspeed),
+            "--num_gpus",
+            str(nproc),
+            "--master_port",
+            str(free_port()),
+            str(script),
+            *args,
+        ]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(nproc),
+        str(script),
+        *args,
+    ]
+
+
+def train_args(recipe: Path, overrides: dict[str, object]) -> list[str]:
+    return ["--config", str(recipe), *(f"{k}={v}" for k, v in overrides.items())]
+
+
+def run_training(
+    overrides: dict[str, object],
+    *,
+    nproc: int = 2,
+    launcher: str = "torchrun",
+    script: Path = TRAIN_SCRIPT,
+    recipe: Path = TINY_RECIPE,
+    timeout: float = LAUNCH_TIMEOUT_S,
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess:
+    """Run a job to its end; the output (stdout+stderr) is in .stdout."""
+    return subprocess.run(
+        launcher_command(launcher, nproc, script, train_args(recipe, overrides)),
+        cwd=REPO_ROOT,
+        env=env or launch_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def train_metrics(output_dir: Path, split: str = "train") -> dict[int, dict]:
+    """step -> record (the last record of a step wins: a resumed run repeats steps)."""
+    records: dict[int, dict] = {}
+    for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if record["split"] == split:
+            records[record["step"]] = record
+    return records
+
+
+def write_mixed_arithmetic_data(out_dir: Path, n: int, image_size: int, seed: int = 0) -> Path:
+    """Arithmetic Q/A with some questions shown as an image: blocks of 4 lines cycle through
+    [image, text, image, text] / all text / all image, so with 2 ranks, micro-batch 2 and no shuffling
+    the ranks see image+text, text-only (fake image) and image-only micro-batches, and steps where
+    one rank has images and the other none."""
+    rng = random.Random(seed)
+    (out_dir / "images").mkdir(parents=True, exist_ok=True)
+    lines = []
+    for i in range(n):
+        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        block = (i // 4) % 3
+        with_image = (block == 0 and i % 2 == 0) or block == 2
+        question = f"What is {a} + {b}?"
+        if with_image:
+            image = Image.new("RGB", (image_size, image_size), (255, 255, 255))
+            ImageDraw.Draw(image).text((2, image_size // 3), f"{a}+{b}", fill=(0, 0, 0))
+            path = f"images/{i}.png"
+            image.save(out_dir / path)
+            content: object = [{"type": "image", "image": path}, {"type": "text", "text": question}]
+        else:
+            content = question
+        lines.append(
+            json.dumps(
+                {
+                    "messages": [
+                        {"role": "user", "content": content},
+                        {"role": "assistant", "content": str(a + b)},
+                    ]
+                }
+            )
+        )
+    path = out_dir / "train.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
