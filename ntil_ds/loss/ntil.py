@@ -161,7 +161,7 @@ class NTILLoss:
         self.max_number_digits = int(max_number_digits)
         # Columns gathered per position: the ten digits, then the minus sign in signed mode.
         self._column_ids = ids + ([minus_sign_id] if self.minus_sign_id is not None else [])
-        self._constants: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._constants: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def __repr__(self) -> str:
         return (
@@ -176,13 +176,15 @@ class NTILLoss:
         """REL/MAG carry gradient (so their straight-through reconstruction is needed)."""
         return self.abs_alpha > 0 or self.mag_alpha > 0
 
-    def _device_constants(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Digit ids and the float32 place-value table 10**k, k in [-(cap-1), cap-1], plus a 0."""
+    def _device_constants(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Digit ids, gathered column ids, and the float32 place-value table 10**k for k in
+        [-(cap-1), cap-1] plus a 0; copied to the device once (a copy per call would sync)."""
         if device not in self._constants:
             cap = self.max_number_digits
             places = [10.0**k for k in range(-(cap - 1), cap)] + [0.0]
             self._constants[device] = (
                 torch.tensor(self.digit_token_ids, dtype=torch.long, device=device),
+                torch.tensor(self._column_ids, dtype=torch.long, device=device),
                 torch.tensor(places, dtype=torch.float32, device=device),
             )
         return self._constants[device]
@@ -225,7 +227,7 @@ class NTILLoss:
         self._check_inputs(logits, labels, process_group, vocab_start)
         batch, length, local_vocab = logits.shape
         num_positions = batch * length
-        digit_ids, place_values = self._device_constants(logits.device)
+        digit_ids, column_ids, place_values = self._device_constants(logits.device)
         labels = labels.long()
 
         labelled = labels != self.ignore_index
@@ -241,7 +243,7 @@ class NTILLoss:
         ce, columns, row_max, noise = position_stats(
             logits.reshape(num_positions, local_vocab),
             targets.flatten(),
-            self._column_ids,
+            column_ids,
             vocab_start=vocab_start,
             process_group=process_group,
             payload=noise,
@@ -314,7 +316,7 @@ class NTILLoss:
         digit_values = torch.arange(10, dtype=dtype, device=digit_logits.device)
         distance = (digit_values[None, :] - digit[:, None]).abs()
         emd_per_position = (digit_logits.softmax(dim=-1) * distance).sum(dim=-1)
-        weight = torch.tensor(self.digit_exp, dtype=dtype, device=place.device) ** place.clamp(max=cap - 1)
+        weight = torch.pow(self.digit_exp, place.clamp(max=cap - 1).to(dtype))
         weighted = torch.where(is_digit, emd_per_position * weight, 0.0).view(batch, -1)
         emd = weighted.sum(dim=1) / layout.digits_per_sequence.clamp(min=1)
 

@@ -49,7 +49,7 @@ class _PositionStats(torch.autograd.Function):
         ctx,
         logits: torch.Tensor,
         targets: torch.Tensor,
-        column_ids: list[int],
+        column_ids: torch.Tensor,
         vocab_start: int,
         process_group: dist.ProcessGroup | None,
         payload: torch.Tensor | None,
@@ -75,11 +75,12 @@ class _PositionStats(torch.autograd.Function):
         local_target = torch.where(owned, targets - vocab_start, 0)
         target_logit = logits.gather(1, local_target[:, None]).squeeze(1).to(dtype) * owned
 
-        local_k = [k for k, col in enumerate(column_ids) if vocab_start <= col < local_end]
-        local_cols = [column_ids[k] - vocab_start for k in local_k]
-        columns = torch.zeros(num_rows, len(column_ids), dtype=dtype, device=device)
-        if local_k:
-            columns[:, local_k] = logits[:, local_cols].to(dtype)
+        # Every rank gathers all K columns (clamped into its shard) and zeroes those it does not
+        # own: on-device index math, so no host-to-device copy (a sync on CUDA) per call.
+        column_is_local = (column_ids >= vocab_start) & (column_ids < local_end)
+        local_columns = (column_ids - vocab_start).clamp(0, local_vocab - 1)
+        columns = torch.where(column_is_local, logits.index_select(1, local_columns).to(dtype), 0.0)
+        num_columns = column_ids.numel()
 
         row_max = local_max
         if process_group is not None:
@@ -93,8 +94,8 @@ class _PositionStats(torch.autograd.Function):
         if process_group is not None:
             dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=process_group)
         sum_exp, target_logit, owned_anywhere = packed[:, 0], packed[:, 1], packed[:, 2]
-        columns = packed[:, 3 : 3 + len(column_ids)].contiguous()
-        payload_out = packed[:, 3 + len(column_ids) :].contiguous() if payload is not None else None
+        columns = packed[:, 3 : 3 + num_columns].contiguous()
+        payload_out = packed[:, 3 + num_columns :].contiguous() if payload is not None else None
 
         log_sum_exp = row_max + sum_exp.log()
         # A valid label owned by no rank is outside the vocabulary; owned by several, the shards
@@ -102,9 +103,7 @@ class _PositionStats(torch.autograd.Function):
         ce = torch.where(valid, log_sum_exp - target_logit, 0.0)
         ce = torch.where(valid & ((owned_anywhere - 1.0).abs() > 0.5), float("nan"), ce)
 
-        ctx.save_for_backward(logits, log_sum_exp, local_target, owned, valid)
-        ctx.local_k = local_k
-        ctx.local_cols = local_cols
+        ctx.save_for_backward(logits, log_sum_exp, local_target, owned, valid, local_columns, column_is_local)
         if payload_out is not None:
             ctx.mark_non_differentiable(row_max, payload_out)
         else:
@@ -114,23 +113,24 @@ class _PositionStats(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_ce, grad_columns, _grad_row_max, _grad_payload):
-        logits, log_sum_exp, local_target, owned, valid = ctx.saved_tensors
+        logits, log_sum_exp, local_target, owned, valid, local_columns, column_is_local = ctx.saved_tensors
         num_rows, local_vocab = logits.shape
         # Unlabelled rows have a constant CE of 0: whatever flows into them stops here.
         dtype = log_sum_exp.dtype
         grad_ce = grad_ce.to(dtype) * valid if grad_ce is not None else torch.zeros_like(log_sum_exp)
         grad_logits = torch.empty_like(logits)
         same_dtype = logits.dtype == dtype
-        col_index = torch.tensor(ctx.local_cols, dtype=torch.long, device=logits.device)
         target_grad = -(grad_ce * owned)
+        if grad_columns is not None:  # columns of other shards add 0 at their clamped index
+            grad_columns = torch.where(column_is_local, grad_columns.to(dtype), 0.0)
         for start, stop in _row_tiles(num_rows, local_vocab):
             # softmax * dCE, computed in fp32, straight into the gradient when it is fp32.
             out = grad_logits[start:stop] if same_dtype else None
             tile = torch.sub(logits[start:stop].to(dtype), log_sum_exp[start:stop, None], out=out)
             tile.exp_().mul_(grad_ce[start:stop, None])
             tile.scatter_add_(1, local_target[start:stop, None], target_grad[start:stop, None])
-            if grad_columns is not None and ctx.local_k:
-                tile.index_add_(1, col_index, grad_columns[start:stop, ctx.local_k].to(dtype))
+            if grad_columns is not None:
+                tile.index_add_(1, local_columns, grad_columns[start:stop])
             if not same_dtype:
                 grad_logits[start:stop].copy_(tile)
         return grad_logits, None, None, None, None, None
@@ -139,7 +139,7 @@ class _PositionStats(torch.autograd.Function):
 def position_stats(
     logits: torch.Tensor,
     targets: torch.Tensor,
-    column_ids: list[int],
+    column_ids: torch.Tensor,
     *,
     vocab_start: int = 0,
     process_group: dist.ProcessGroup | None = None,
@@ -151,7 +151,8 @@ def position_stats(
         logits: `[N, V_local]`, any float dtype; this rank's columns
             `[vocab_start, vocab_start + V_local)` of the global vocabulary.
         targets: `[N]` global token ids; negative means "no label" (CE 0, no gradient).
-        column_ids: global ids of the columns to return (e.g. the ten digits).
+        column_ids: `[K]` int64 global ids of the columns to return (e.g. the ten digits), on the
+            logits' device.
         process_group: the vocabulary-parallel group, or None for the full vocabulary.
         payload: optional `[N, P]` numbers that the group's first rank sends to all ranks (only
             that rank's values are used; others may pass anything of the same shape).

@@ -15,7 +15,7 @@ from ntil_ds.loss.vocab_stats import position_stats
 # A copy of shared/golden/ntil_reference_cases.json (the authors' code, noise off), so that a fresh
 # clone can run the parity test; test_golden_copy_is_the_shared_file keeps the two identical.
 GOLDEN = Path(__file__).resolve().parent / "loss_golden" / "ntil_reference_cases.json"
-SHARED_GOLDEN = Path("/work/shared/golden/ntil_reference_cases.json")
+SHARED_GOLDEN = Path(__file__).resolve().parents[3] / "shared" / "golden" / "ntil_reference_cases.json"
 FIELDS = ("loss", "ntil", "emd", "rel", "mag", "ce_mean")
 DIGITS = [17, 3, 25, 8, 30, 11, 2, 29, 14, 21]  # deliberately unsorted, like LLaMA-2's
 
@@ -64,7 +64,7 @@ def test_float64_gradcheck_of_cross_entropy_and_column_logits():
     logits = logits.reshape(10, 13).requires_grad_()
 
     def stats(x):
-        ce, columns, _, _ = position_stats(x, targets, [3, 7, 12])
+        ce, columns, _, _ = position_stats(x, targets, torch.tensor([3, 7, 12]))
         return ce, columns
 
     assert torch.autograd.gradcheck(stats, (logits,), eps=1e-6, atol=1e-7)  # full Jacobian: 130 inputs
