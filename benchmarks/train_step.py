@@ -3,22 +3,25 @@
     python -m benchmarks.train_step                      # tiny CPU recipe, 2 processes, ~3-5 min
     python -m benchmarks.train_step --steps 40 --rounds 2 train.micro_batch_size=8
 
-(from the repository root.) One run of this script trains the same model on the same data three
-ways, one job after another, each a real 2-process ZeRO-3 job started with torchrun:
+(from the repository root.) One run of this script trains the same model on the same data with
+real 2-process ZeRO-3 jobs started by torchrun:
 
-- ``ours CE``:   launch/train.py with ``loss.name=ce`` (NTIL's parts are still computed for the log,
-  without gradient, as in a real CE run);
-- ``ours NTIL``: launch/train.py with ``loss.name=ntil`` (the paper's loss);
+- ``ours CE`` and ``ours NTIL``: one job (benchmarks/loss_pair_job.py) that builds the real
+  ntil_ds Trainer from the recipe and takes every batch through two optimizer steps, one with the loss
+  ``loss.name=ce`` gives (NTIL's parts still computed for the log, without gradient, as in a real CE
+  run) and one with ``loss.name=ntil`` (the paper's loss), alternating which goes first. Interleaving
+  makes the NTIL/CE ratio immune to the machine's load drifting between jobs;
 - ``HF Trainer``: benchmarks/hf_trainer_job.py: transformers' Trainer with the same model, data,
-  collation, merged DeepSpeed config and optimizer; the model's own cross-entropy.
+  collation, merged DeepSpeed config and optimizer; the model's own cross-entropy. A separate job, so
+  ours/HF ratios carry the load drift between jobs: use ``--rounds 2`` (jobs run again in reverse
+  order) on a shared machine.
 
 Step time is one optimizer step (all its micro-batches' forward + backward, the optimizer step),
 timed by each trainer from "the step's micro-batches are in hand" to "the optimizer stepped"; data
 loading is outside it in both. The first ``--warmup`` steps are left out; the table gives the
 median step time and tokens/s (input tokens of all ranks over the measured steps / their time).
-With ``--rounds 2`` the jobs run again in reverse order, so a drift in machine load does not
-favour whichever ran first. The model is the tiny Qwen2-VL built by launch/make_tiny_model.py and
-the data the synthetic clock task (launch/make_data.py), both written into ``--workdir``.
+The model is the tiny Qwen2-VL built by launch/make_tiny_model.py and the data the synthetic clock
+task (launch/make_data.py), both written into ``--workdir``.
 """
 
 from __future__ import annotations
@@ -35,8 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-TRAIN_SCRIPT = REPO_ROOT / "launch" / "train.py"
 HF_JOB = REPO_ROOT / "benchmarks" / "hf_trainer_job.py"
+PAIR_JOB = REPO_ROOT / "benchmarks" / "loss_pair_job.py"
 DEFAULT_RECIPE = REPO_ROOT / "configs" / "train" / "tiny_qwen2vl_clock.yaml"
 JOB_TIMEOUT_S = 900
 VARIANTS = ("ours CE", "ours NTIL", "HF Trainer")
@@ -72,13 +75,13 @@ def run_job(nproc: int, script: Path, args: list[str], log_path: Path) -> None:
         raise SystemExit(f"job {script.name} {' '.join(args)} failed (exit {result.returncode}):\n{tail}")
 
 
-def ours_records(output_dir: Path) -> list[StepRecord]:
-    records = {}
-    for line in (output_dir / "metrics.jsonl").read_text().splitlines():
-        r = json.loads(line)
-        if r["split"] == "train":
-            records[r["step"]] = StepRecord(r["step"], r["step_time_s"], r["tokens_per_s"] * r["step_time_s"])
-    return [records[s] for s in sorted(records)]
+def pair_records(path: Path) -> dict[str, list[StepRecord]]:
+    """loss_pair_job.py's records, by variant name of the table."""
+    by_variant: dict[str, list[StepRecord]] = {"ours CE": [], "ours NTIL": []}
+    for r in json.loads(path.read_text())["records"]:
+        name = "ours CE" if r["variant"] == "ce" else "ours NTIL"
+        by_variant[name].append(StepRecord(r["step"], r["step_time_s"], r["tokens"]))
+    return by_variant
 
 
 def hf_records(path: Path) -> list[StepRecord]:
@@ -130,29 +133,30 @@ def main() -> None:
     ]
 
     samples: dict[str, list[StepRecord]] = {v: [] for v in VARIANTS}
-    order = list(VARIANTS)
+    jobs = ["ours", "HF Trainer"]
     for round_index in range(args.rounds):
-        for variant in order:
-            out = workdir / f"round{round_index}_{variant.replace(' ', '_').lower()}"
+        for job in jobs:
+            out = workdir / f"round{round_index}_{'hf_trainer' if job == 'HF Trainer' else 'ours'}"
+            out.mkdir(parents=True, exist_ok=True)
+            times = out / "steps.json"
             started = time.perf_counter()
-            print(f"[round {round_index + 1}/{args.rounds}] {variant}: {args.steps} steps ...", flush=True)
-            if variant == "HF Trainer":
-                times = out / "hf_steps.json"
-                out.mkdir(parents=True, exist_ok=True)
+            print(f"[round {round_index + 1}/{args.rounds}] {job}: {args.steps} steps ...", flush=True)
+            if job == "HF Trainer":
                 run_job(args.nproc, HF_JOB, ["--config", str(args.recipe), "--out", str(times), *common,
                                              f"output_dir={out}"], out / "job.log")  # fmt: skip
-                records = hf_records(times)
+                found = {job: hf_records(times)}
             else:
-                loss = "ce" if variant == "ours CE" else "ntil"
-                out.mkdir(parents=True, exist_ok=True)
-                run_job(args.nproc, TRAIN_SCRIPT, ["--config", str(args.recipe), *common, f"loss.name={loss}",
-                                                   f"output_dir={out}"], out / "job.log")  # fmt: skip
-                records = ours_records(out)
-            if len(records) != args.steps:
-                raise SystemExit(f"{variant}: expected {args.steps} step records, got {len(records)}")
-            samples[variant] += [r for r in records if r.step > args.warmup]
+                run_job(args.nproc, PAIR_JOB, ["--config", str(args.recipe), "--out", str(times),
+                                               "--steps", str(args.steps), *common, f"output_dir={out}",
+                                               f"train.max_steps={2 * args.steps}"],  # two steps per batch
+                        out / "job.log")  # fmt: skip
+                found = pair_records(times)
+            for variant, records in found.items():
+                if len(records) != args.steps:
+                    raise SystemExit(f"{variant}: expected {args.steps} step records, got {len(records)}")
+                samples[variant] += [r for r in records if r.step > args.warmup]
             print(f"    done in {time.perf_counter() - started:.0f} s (log: {out / 'job.log'})", flush=True)
-        order.reverse()
+        jobs.reverse()
 
     summary = {}
     for variant, records in samples.items():
