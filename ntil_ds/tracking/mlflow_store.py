@@ -19,7 +19,6 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
 from mlflow import MlflowClient
 from mlflow.entities import Metric, Param, RunTag
@@ -52,7 +51,8 @@ logger = logging.getLogger(__name__)
 _HTTP_POLICY = {
     "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",
     "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
-    "MLFLOW_HTTP_REQUEST_TIMEOUT": "5",
+    # Per connect / per read, not per upload: a large artifact streams for as long as it needs.
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "15",
 }
 _RETRY_FIRST_S = 1.0
 _RETRY_MAX_S = 60.0
@@ -95,9 +95,11 @@ def _local_artifact_location(uri: str) -> str | None:
     MLflow's default for a sqlite store is ``./mlruns`` in the current directory, which scatters
     artifacts over wherever jobs were started and makes MLflow's own default URI switch to that folder.
     """
-    if not uri.startswith("sqlite:///"):
+    prefix = "sqlite:///"  # SQLAlchemy: the path follows; relative, or absolute with a fourth slash
+    if not uri.startswith(prefix):
         return None
-    return (Path(urlparse(uri).path).parent / "mlartifacts").resolve().as_uri()
+    database = Path(uri[len(prefix) :].split("?", 1)[0])
+    return (database.parent / "mlartifacts").resolve().as_uri()
 
 
 def _is_permanent(error: Exception) -> bool:
@@ -315,6 +317,8 @@ class MlflowTracker:
         _quiet_sender_retries()
         self._thread = threading.Thread(target=self._send_loop, name=_SENDER_THREAD, daemon=True)
         self._thread.start()
+        # Waited for, whatever it takes (bounded by the HTTP policy above): the trainer saves the run id
+        # in its checkpoints, and without it a resumed job could not continue the run.
         self._started.wait()
         if self._start_error is not None and required:
             self._journal.close()

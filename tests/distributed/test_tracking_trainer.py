@@ -85,6 +85,7 @@ def killed_and_resumed(tmp_path_factory):
         while not marker.exists() and job.poll() is None and time.monotonic() < deadline:
             time.sleep(0.1)
         assert marker.exists(), "the job never completed its step-2 checkpoint"
+        assert job.poll() is None, "the job finished before it could be killed: nothing to resume"
     finally:
         os.killpg(job.pid, signal.SIGKILL)
         job.wait(timeout=60)
@@ -95,7 +96,7 @@ def killed_and_resumed(tmp_path_factory):
     return out, cfg, resumed.stdout
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_killed_and_resumed_trainer_job_is_one_complete_mlflow_run(killed_and_resumed):
     from mlflow import MlflowClient
 
@@ -132,7 +133,7 @@ def test_killed_and_resumed_trainer_job_is_one_complete_mlflow_run(killed_and_re
     assert any(p.startswith("model/") and p.endswith(".safetensors") for p in logged), logged
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_trainer_log_shows_where_the_run_is(killed_and_resumed):
     out, _, log = killed_and_resumed
     assert f"mlflow ui --backend-store-uri sqlite:///{out.resolve()}/mlflow.db" in log

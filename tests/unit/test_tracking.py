@@ -107,17 +107,20 @@ def test_digit_position_plot_uses_the_first_and_last_evaluation(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_system_metrics_are_logged_at_training_steps_when_enabled(tmp_path):
+def test_system_metrics_are_logged_at_training_steps_when_enabled(tmp_path, monkeypatch):
     from mlflow import MlflowClient
 
-    cfg = TrackingConfig(system_metrics=True, run_name="sys")
-    tracker = build_tracker(cfg, is_main=True, output_dir=tmp_path)
+    # A relative sqlite URI (three slashes), as users type it: artifacts go next to that database.
+    monkeypatch.chdir(tmp_path)
+    cfg = TrackingConfig(uri="sqlite:///store/mlflow.db", system_metrics=True, run_name="sys")
+    tracker = build_tracker(cfg, is_main=True, output_dir=tmp_path / "out")
     for step in (1, 2, 3):
         tracker.log_metrics({"train/loss": 1.0}, step=step)
     tracker.finish()
-    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    client = MlflowClient(f"sqlite:///{tmp_path / 'store' / 'mlflow.db'}")
     run = client.get_run(tracker.run_id)
     assert run.info.run_name == "sys"
+    assert run.info.artifact_uri.startswith((tmp_path / "store" / "mlartifacts").as_uri())
     system = [key for key in run.data.metrics if key.startswith("system/")]
     assert "system/cpu_utilization_percentage" in system, sorted(run.data.metrics)
     steps = [m.step for m in client.get_metric_history(tracker.run_id, "system/cpu_utilization_percentage")]
