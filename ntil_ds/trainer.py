@@ -21,7 +21,7 @@ import math
 import random
 import time
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -82,20 +82,6 @@ class MicroBatch:
 
     sample_ids: list[int]  # row indices in data.train_file
     tensors: dict[str, torch.Tensor]  # collator output, including labels
-
-
-@dataclass
-class _StepTotals:
-    """Per-rank sums over the micro-batches of one step, reduced over ranks in one all_reduce."""
-
-    loss_sum: float = 0.0
-    ce_sum: float = 0.0
-    ntil: float = 0.0
-    emd: float = 0.0
-    rel: float = 0.0
-    mag: float = 0.0
-    input_tokens: float = 0.0
-    bad: list[str] = field(default_factory=list)  # descriptions of non-finite micro-batches
 
 
 def build_loss(cfg: Config, tokenizer: Any) -> NTILLoss:
@@ -318,41 +304,40 @@ class Trainer:
         scale = self.dist.dp_size / max(global_labelled, 1.0)
         lr = self.engine.lr()  # the rate this step uses (the schedule advances inside the step)
 
-        totals = _StepTotals()
+        # Per-rank sums of the step, kept on the device (no host sync per micro-batch): loss_sum, ce_sum,
+        # ntil, emd, rel, mag (the last four are per-micro-batch means, summed here).
+        sums = torch.zeros(6, dtype=torch.float64, device=self.device)
+        micro_loss_sums = []
+        input_tokens = 0
         for index, micro_batch in enumerate(micro_batches):
             out = self._loss(micro_batch, generator=self._gumbel_generator(step, index))
             self.engine.backward(out.loss_sum * scale)
-            self._accumulate(totals, out, micro_batch, index)
+            parts = torch.stack([out.loss_sum, out.ce_sum, out.ntil, out.emd, out.rel, out.mag])
+            sums += parts.detach().double()
+            micro_loss_sums.append(out.loss_sum.detach())
+            input_tokens += int(micro_batch.tensors["attention_mask"].sum())  # a CPU tensor
             if index < len(micro_batches) - 1:
                 self.engine.step()  # not a boundary: DeepSpeed only counts the micro-step
 
         # One all_reduce for the log and the NaN check, BEFORE the optimizer step.
-        reduced = self._all_reduce_sum(
-            [
-                totals.loss_sum,
-                totals.ce_sum,
-                totals.ntil,
-                totals.emd,
-                totals.rel,
-                totals.mag,
-                totals.input_tokens,
-                float(len(totals.bad)),
-            ]
-        )
+        non_finite = ~torch.isfinite(torch.stack(micro_loss_sums))
+        extra = torch.tensor([input_tokens, 0.0], dtype=torch.float64, device=self.device)
+        extra[1] = non_finite.sum()
+        reduced = self._all_reduce_sum(torch.cat([sums, extra]))
         if reduced[7] > 0:
-            self._raise_non_finite(totals.bad)
+            self._raise_non_finite(micro_batches, micro_loss_sums, non_finite.tolist())
         self.engine.step()  # the accumulation boundary: clip, optimizer step, schedule
 
         elapsed = time.perf_counter() - started
         tp = self.dist.tp_size
-        parts = len(micro_batches) * self.dist.world_size  # TP copies are equal: a mean over DP ranks
+        means_over = len(micro_batches) * self.dist.world_size  # TP copies are equal: a mean over DP ranks
         return {
             "loss": reduced[0] / tp / max(global_labelled, 1.0),
             "ce": reduced[1] / tp / max(global_labelled, 1.0),
-            "ntil": reduced[2] / parts,
-            "emd": reduced[3] / parts,
-            "rel": reduced[4] / parts,
-            "mag": reduced[5] / parts,
+            "ntil": reduced[2] / means_over,
+            "emd": reduced[3] / means_over,
+            "rel": reduced[4] / means_over,
+            "mag": reduced[5] / means_over,
             "lr": lr,
             "grad_norm": self.engine.grad_norm(),
             "labelled_tokens": global_labelled,
@@ -392,24 +377,18 @@ class Trainer:
         generator.manual_seed(int(seed.generate_state(1, dtype=np.uint64)[0] >> 1))
         return generator
 
-    def _accumulate(self, totals: _StepTotals, out: NTILOutput, micro_batch: MicroBatch, index: int) -> None:
-        loss_sum = float(out.loss_sum.detach())
-        if not math.isfinite(loss_sum):
-            totals.bad.append(
-                f"rank {self.dist.rank} (dp rank {self.dist.dp_rank}), micro-batch {index} of the step, "
-                f"samples {micro_batch.sample_ids} of {self.cfg.data.train_file}: loss_sum={loss_sum}, "
-                f"ce_sum={float(out.ce_sum)}, labelled tokens={int(out.num_tokens)}"
-            )
-        totals.loss_sum += loss_sum
-        totals.ce_sum += float(out.ce_sum.detach())
-        totals.ntil += float(out.ntil.detach())
-        totals.emd += float(out.emd.detach())
-        totals.rel += float(out.rel.detach())
-        totals.mag += float(out.mag.detach())
-        totals.input_tokens += float(micro_batch.tensors["attention_mask"].sum())
-
-    def _raise_non_finite(self, local_bad: list[str]) -> None:
+    def _raise_non_finite(
+        self, micro_batches: list[MicroBatch], loss_sums: list[torch.Tensor], bad: list[bool]
+    ) -> None:
         """Every rank raises the same message, listing every offending micro-batch of every rank."""
+        local_bad = [
+            f"rank {self.dist.rank} (dp rank {self.dist.dp_rank}), micro-batch {index} of the step, "
+            f"samples {micro_batch.sample_ids} of {self.cfg.data.train_file}: loss_sum={float(loss_sum)}"
+            for index, (micro_batch, loss_sum, is_bad) in enumerate(
+                zip(micro_batches, loss_sums, bad, strict=True)
+            )
+            if is_bad
+        ]
         gathered: list[list[str]] = [local_bad]
         if dist.is_initialized():
             gathered = [[] for _ in range(dist.get_world_size())]
@@ -515,10 +494,14 @@ class Trainer:
 
     def _save(self) -> None:
         self.state.sampler = self.sampler.state_dict()
+        self.state.tracker_run_id = self.tracker.run_id or self.state.tracker_run_id
+        # A tracking server that was down at start gets the run created later: save the id once known.
+        self.state.tracker_run_id = self.tracker.run_id or self.state.tracker_run_id
         save_checkpoint(self.engine, self.output_dir, self.state, self.dist, self.cfg.train.keep_last)
 
-    def _all_reduce_sum(self, values: list[float]) -> list[float]:
-        tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
+    def _all_reduce_sum(self, values: list[float] | torch.Tensor) -> list[float]:
+        """Sum over all ranks (a sync point); returns host floats."""
+        tensor = torch.as_tensor(values, dtype=torch.float64, device=self.device).clone()
         if dist.is_initialized():
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
         return tensor.tolist()

@@ -81,7 +81,9 @@ def test_nan_loss_stops_before_the_optimizer_step_naming_step_rank_and_batch(tin
     assert sorted(train_metrics(out)) == [1]  # step 2 never completed
     # The weights are exactly those after step 1: the optimizer did not apply the NaN gradients.
     after_step_1 = get_fp32_state_dict_from_zero_checkpoint(str(out / "checkpoints"), tag="step_00000001")
-    after_nan = AutoModelForImageTextToText.from_pretrained(out / "after_nan", dtype=torch.float32).state_dict()
+    after_nan = AutoModelForImageTextToText.from_pretrained(
+        out / "after_nan", dtype=torch.float32
+    ).state_dict()
     for name, value in after_step_1.items():
         assert torch.equal(after_nan[name], value), name
 

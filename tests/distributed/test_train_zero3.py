@@ -125,12 +125,14 @@ def test_killed_job_resumes_and_reproduces_the_uninterrupted_losses(qwen_setup, 
         "tracking.uri": f"sqlite:///{root / 'mlflow_resume.db'}",
     }
     command = launcher_command("torchrun", 2, TRAIN_SCRIPT, train_args(TINY_RECIPE, overrides))
+    job_log = root / "killed_job.log"
+    log_file = job_log.open("w")
     job = subprocess.Popen(
         command,
         cwd=REPO_ROOT,
         env=launch_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stdout=log_file,
+        stderr=subprocess.STDOUT,
         start_new_session=True,
     )
     marker = out / "checkpoints" / "step_00000003" / "COMPLETE"
@@ -147,6 +149,7 @@ def test_killed_job_resumes_and_reproduces_the_uninterrupted_losses(qwen_setup, 
             process.kill()
         psutil.wait_procs(job_processes, timeout=60)
         job.wait(timeout=60)
+        log_file.close()
     assert not (out / "checkpoints" / "step_00000006").exists(), "the job finished before it was killed"
     # A checkpoint the dying job was writing: must never be picked.
     half_written = out / "checkpoints" / "step_00000005"
@@ -163,7 +166,7 @@ def test_killed_job_resumes_and_reproduces_the_uninterrupted_losses(qwen_setup, 
             assert metrics[step][key] == pytest.approx(reference[step][key], rel=1e-6, abs=1e-7), (step, key)
     # The resumed job continued the same MLflow run.
     run_id = json.loads(first_run_id)["tracker_run_id"]
-    assert run_id
+    assert run_id, [line for line in job_log.read_text().splitlines() if "mlflow" in line.lower()][-20:]
     final = json.loads((out / "checkpoints" / "step_00000006" / "trainer_state.json").read_text())
     assert final["tracker_run_id"] == run_id and final["step"] == STEPS
 

@@ -15,7 +15,9 @@ def tiny_folders(tmp_path_factory):
 
 
 def model_cfg(folder, *overrides):
-    return load_config(None, [f"model.name_or_path={folder}", "model.init=random", "data.train_file=x", *overrides]).model
+    return load_config(
+        None, [f"model.name_or_path={folder}", "model.init=random", "data.train_file=x", *overrides]
+    ).model
 
 
 def trainable_parts(model) -> dict[str, bool]:
@@ -32,7 +34,9 @@ def test_mllm_and_llm_classes_dtype_and_attention(tiny_folders):
     assert vl.kind == "mllm" and type(vl.model).__name__ == "Qwen2VLForConditionalGeneration"
     assert {p.dtype for p in vl.model.parameters()} == {torch.bfloat16}
     assert vl.attn_implementation == "sdpa" == vl.model.config._attn_implementation
-    llm = load_model(model_cfg(tiny_folders["qwen2"], "model.dtype=float32", "model.gradient_checkpointing=true"))
+    llm = load_model(
+        model_cfg(tiny_folders["qwen2"], "model.dtype=float32", "model.gradient_checkpointing=true")
+    )
     assert llm.kind == "llm" and type(llm.model).__name__ == "Qwen2ForCausalLM"
     assert llm.model.is_activation_checkpointing and llm.model.config.use_cache is False
 
@@ -49,7 +53,9 @@ def test_attention_choice_without_flash_attn():
 def test_freeze_flags_address_the_same_parts_across_families(tiny_folders, kind):
     every = trainable_parts(load_model(model_cfg(tiny_folders[kind])).model)
     assert every == {"vision_tower": True, "projector": True, "language_model": True}
-    vision = trainable_parts(load_model(model_cfg(tiny_folders[kind], "model.freeze_vision_tower=true")).model)
+    vision = trainable_parts(
+        load_model(model_cfg(tiny_folders[kind], "model.freeze_vision_tower=true")).model
+    )
     assert vision == {"vision_tower": False, "projector": True, "language_model": True}
     both = load_model(
         model_cfg(tiny_folders[kind], "model.freeze_vision_tower=true", "model.freeze_projector=true")
@@ -61,5 +67,7 @@ def test_freeze_flags_address_the_same_parts_across_families(tiny_folders, kind)
 
 
 def test_a_freeze_flag_that_matches_nothing_is_an_error(tiny_folders):
-    with pytest.raises(ConfigError, match="freeze_vision_tower=true but Qwen2ForCausalLM has no vision tower"):
+    with pytest.raises(
+        ConfigError, match="freeze_vision_tower=true but Qwen2ForCausalLM has no vision tower"
+    ):
         load_model(model_cfg(tiny_folders["qwen2"], "model.freeze_vision_tower=true"))
