@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import resource
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -154,6 +155,13 @@ def device_for(local_rank: int) -> torch.device:
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
+
+
+def peak_memory_mib(device: torch.device) -> float:
+    """Peak memory of this rank so far: allocated device memory on CUDA, resident set size on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # Linux reports KiB
 
 
 # ----------------------------------------------------------------------------------------------------

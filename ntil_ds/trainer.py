@@ -47,7 +47,7 @@ from ntil_ds.data import (
     tokenizer_of,
 )
 from ntil_ds.dist import DistInfo
-from ntil_ds.engine import TrainingEngine, device_for, write_deepspeed_config
+from ntil_ds.engine import TrainingEngine, device_for, peak_memory_mib, write_deepspeed_config
 from ntil_ds.loss import (
     NTILLoss,
     NTILOutput,
@@ -343,6 +343,7 @@ class Trainer:
             "labelled_tokens": global_labelled,
             "tokens_per_s": reduced[6] / tp / elapsed,
             "step_time_s": elapsed,
+            "peak_mem_mib": peak_memory_mib(self.device),  # rank 0's; ZeRO-3 ranks are alike
         }
 
     def _loss(self, micro_batch: MicroBatch, generator: torch.Generator | None) -> NTILOutput:

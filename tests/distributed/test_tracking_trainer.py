@@ -31,7 +31,7 @@ from tests.distributed.training_runs import (
 pytestmark = pytest.mark.distributed
 
 STEPS = 6
-STEP_KEYS = ("loss", "ce", "ntil", "emd", "rel", "mag", "lr", "grad_norm", "tokens_per_s")
+STEP_KEYS = ("loss", "ce", "ntil", "emd", "rel", "mag", "lr", "grad_norm", "tokens_per_s", "peak_mem_mib")
 
 
 def first_logged(output_dir: Path, split: str) -> dict[int, dict]:

@@ -94,7 +94,7 @@ def test_ntil_loss_falls_on_mixed_text_and_image_batches(uninterrupted_run):
     metrics = train_metrics(out)
     assert sorted(metrics) == list(range(1, STEPS + 1))
     for record in metrics.values():
-        for key in ("loss", "ce", "ntil", "emd", "rel", "mag", "lr", "grad_norm", "tokens_per_s"):
+        for key in ("loss", "ce", "ntil", "emd", "rel", "mag", "lr", "grad_norm", "tokens_per_s", "peak_mem_mib"):
             assert math.isfinite(record[key]), (key, record)
         # The logged loss is NTIL's value: (1 + ntil_lambda) x CE per token.
         assert record["loss"] == pytest.approx(1.3 * record["ce"], rel=1e-5)
