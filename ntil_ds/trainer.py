@@ -54,6 +54,7 @@ from ntil_ds.loss import (
     digit_token_ids_from_tokenizer,
     number_sign_and_point_ids_from_tokenizer,
 )
+from ntil_ds.loss.numbers import analyse_numbers
 from ntil_ds.model import load_model
 from ntil_ds.model.tensor_parallel import VocabShard, find_vocab_shard
 from ntil_ds.preemption import PreemptionWatcher
@@ -62,6 +63,7 @@ from ntil_ds.tracking import Tracker, build_tracker
 log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
+DIGIT_PLACES_REPORTED = 6  # eval logs digit_acc_pos0 (units) .. digit_acc_pos5
 EXPORT_DIR = "export"
 
 
@@ -106,6 +108,19 @@ def build_loss(cfg: Config, tokenizer: Any) -> NTILLoss:
         decimal_point_id=point_id,
         minus_sign_id=minus_id,
     )
+
+
+def digit_accuracy_by_place(
+    predicted: torch.Tensor, labels: torch.Tensor, digit_ids: torch.Tensor, num_places: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Teacher-forced digit accuracy by place value: ``(counts, correct)``, each ``[num_places]``, for
+    place 0 (units), 1 (tens), ... Numbers are read from the labels exactly as the loss reads them."""
+    layout = analyse_numbers(labels, digit_ids, ignore_index=IGNORE_INDEX)
+    counted = layout.is_digit & (layout.place >= 0) & (layout.place < num_places)
+    right = counted & (predicted == labels)
+    counts = torch.bincount(layout.place[counted], minlength=num_places)
+    correct = torch.bincount(layout.place[right], minlength=num_places)
+    return counts, correct
 
 
 def shift_labels(labels: torch.Tensor) -> torch.Tensor:
@@ -421,6 +436,8 @@ class Trainer:
         digit_ids = torch.tensor(self.loss_fn.digit_token_ids, device=self.device)
         # loss_sum, ce_sum, tokens, correct tokens, digits, correct digits, sequences, all-correct sequences
         sums = torch.zeros(8, dtype=torch.float64)
+        # digits seen and digits right, by place value (units first): the "error by digit position" plot
+        place_counts = torch.zeros(2, DIGIT_PLACES_REPORTED, dtype=torch.float64)
         for b in range(num_batches):
             ids = mine[b * mbs : (b + 1) * mbs]
             batch = self._collate(self.eval_data, ids or mine[:1] or [0])
@@ -447,8 +464,12 @@ class Trainer:
                 ],
                 dtype=torch.float64,
             )
+            counts, right = digit_accuracy_by_place(predicted, labels, digit_ids, DIGIT_PLACES_REPORTED)
+            place_counts += torch.stack([counts, right]).cpu().double()
         self.engine.train()
-        total = self._all_reduce_sum(sums.tolist())
+        total = self._all_reduce_sum(sums.tolist() + place_counts.flatten().tolist())
+        seen, right = total[8 : 8 + DIGIT_PLACES_REPORTED], total[8 + DIGIT_PLACES_REPORTED :]
+        by_place = {f"digit_acc_pos{k}": right[k] / seen[k] for k in range(DIGIT_PLACES_REPORTED) if seen[k]}
         tokens = max(total[2], 1.0)
         return {
             "loss": total[0] / tokens,
@@ -456,6 +477,7 @@ class Trainer:
             "token_acc": total[3] / tokens,
             "digit_acc": total[5] / max(total[4], 1.0),
             "answer_acc": total[7] / max(total[6], 1.0),  # every answer token right (teacher-forced)
+            **by_place,
         }
 
     def _argmax_over_vocab(self, batch: MicroBatch) -> torch.Tensor:
@@ -495,7 +517,6 @@ class Trainer:
 
     def _save(self) -> None:
         self.state.sampler = self.sampler.state_dict()
-        self.state.tracker_run_id = self.tracker.run_id or self.state.tracker_run_id
         # A tracking server that was down at start gets the run created later: save the id once known.
         self.state.tracker_run_id = self.tracker.run_id or self.state.tracker_run_id
         save_checkpoint(self.engine, self.output_dir, self.state, self.dist, self.cfg.train.keep_last)

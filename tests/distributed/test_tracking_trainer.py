@@ -119,6 +119,12 @@ def test_killed_and_resumed_trainer_job_is_one_complete_mlflow_run(killed_and_re
     eval_history = client.get_metric_history(run_id, "eval/loss")
     assert sorted((m.step, m.value) for m in eval_history) == [(s, evals[s]["loss"]) for s in (3, 6)]
     assert [m.step for m in client.get_metric_history(run_id, "data/train_kept")] == [0]
+    # "HH:MM" answers: units and tens digits, scored by place for the digit-position plot.
+    for place in (0, 1):
+        history = client.get_metric_history(run_id, f"eval/digit_acc_pos{place}")
+        assert sorted((m.step, m.value) for m in history) == [
+            (s, evals[s][f"digit_acc_pos{place}"]) for s in (3, 6)
+        ]
 
     tags = run.data.tags
     assert tags["ntil_ds.world_size"] == "2" and tags["ntil_ds.model"] == cfg.model.name_or_path
@@ -129,7 +135,9 @@ def test_killed_and_resumed_trainer_job_is_one_complete_mlflow_run(killed_and_re
             yield from artifacts(item.path) if item.is_dir else [item.path]
 
     logged = set(artifacts())
-    assert {"config.yaml", "deepspeed.json", "plots/loss_curves.png", "model/config.json"} <= logged, logged
+    expected = {"config.yaml", "deepspeed.json", "model/config.json"}
+    expected |= {"plots/loss_curves.png", "plots/digit_position_error.png"}
+    assert expected <= logged, logged
     assert any(p.startswith("model/") and p.endswith(".safetensors") for p in logged), logged
 
 
