@@ -37,21 +37,12 @@ def main() -> None:
 
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
-    from ntil_ds.config import gradient_accumulation_steps, load_config
+    from ntil_ds.config import gradient_accumulation_steps
     from ntil_ds.data import Collator, ConversationDataset, load_processor
-    from ntil_ds.dist import DistInfo
-    from ntil_ds.engine import (
-        init_distributed,
-        load_deepspeed_json,
-        merge_deepspeed_config,
-        tensor_parallel_size,
-    )
+    from ntil_ds.engine import init_distributed, resolve_run
     from ntil_ds.model import load_model
 
-    cfg = load_config(args.config, args.overrides)
-    ds_json = load_deepspeed_json(cfg.deepspeed)
-    dist_info = DistInfo.from_env(tp_size=tensor_parallel_size(ds_json))
-    ds_config = merge_deepspeed_config(cfg, ds_json, dist_info.dp_size)
+    cfg, ds_config, dist_info = resolve_run(args.config, args.overrides)
     # The process group first (as launch/train.py does): ZeRO-3 init partitions over it.
     init_distributed()
     o = cfg.optim

@@ -30,21 +30,11 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
 
-    from ntil_ds.config import load_config
     from ntil_ds.data import tokenizer_of
-    from ntil_ds.dist import DistInfo
-    from ntil_ds.engine import (
-        init_distributed,
-        load_deepspeed_json,
-        merge_deepspeed_config,
-        tensor_parallel_size,
-    )
+    from ntil_ds.engine import init_distributed, resolve_run
     from ntil_ds.trainer import Trainer, build_loss
 
-    cfg = load_config(args.config, args.overrides)
-    ds_json = load_deepspeed_json(cfg.deepspeed)
-    dist_info = DistInfo.from_env(tp_size=tensor_parallel_size(ds_json))
-    ds_config = merge_deepspeed_config(cfg, ds_json, dist_info.dp_size)
+    cfg, ds_config, dist_info = resolve_run(args.config, args.overrides)
     init_distributed()
     trainer = Trainer(cfg, ds_config, dist_info)
     tokenizer = tokenizer_of(trainer.processor)

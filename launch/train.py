@@ -16,14 +16,9 @@ import logging
 import os
 import sys
 
-from ntil_ds.config import ConfigError, load_config
+from ntil_ds.config import ConfigError
 from ntil_ds.dist import DistInfo
-from ntil_ds.engine import (
-    init_distributed,
-    load_deepspeed_json,
-    merge_deepspeed_config,
-    tensor_parallel_size,
-)
+from ntil_ds.engine import init_distributed, resolve_run
 from ntil_ds.preemption import EXIT_PREEMPTED, PreemptionWatcher
 
 EXIT_CONFIG_ERROR = 2
@@ -48,10 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     # Everything a recipe can get wrong is checked here, before any process group or model exists.
     try:
-        cfg = load_config(args.config, args.overrides)
-        ds_json = load_deepspeed_json(cfg.deepspeed)
-        dist_info = DistInfo.from_env(tp_size=tensor_parallel_size(ds_json))
-        ds_config = merge_deepspeed_config(cfg, ds_json, dist_info.dp_size)
+        cfg, ds_config, dist_info = resolve_run(args.config, args.overrides)
     except (ConfigError, ValueError) as e:
         if dist_info.is_main:
             print(f"config error: {e}", file=sys.stderr)

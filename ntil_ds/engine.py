@@ -20,7 +20,8 @@ from typing import Any
 import deepspeed
 import torch
 
-from ntil_ds.config import Config, ConfigError, gradient_accumulation_steps
+from ntil_ds.config import Config, ConfigError, gradient_accumulation_steps, load_config
+from ntil_ds.dist import DistInfo
 
 # Keys whose value the recipe decides; the JSON may repeat them only with the same value (or "auto").
 _RECIPE_OWNED_BLOCKS = ("optimizer", "scheduler")
@@ -119,6 +120,18 @@ def merge_deepspeed_config(cfg: Config, ds_json: dict[str, Any], data_parallel_s
     # The schedule is a client LambdaLR (see lr_ratio): DeepSpeed's WarmupCosineLR cannot do zero
     # warmup steps and starts its warmup at lr 0.
     return merged
+
+
+def resolve_run(recipe: str | Path, overrides: list[str]) -> tuple[Config, dict[str, Any], DistInfo]:
+    """Recipe + overrides -> (config, merged DeepSpeed config, this process's place in the job).
+
+    Every check that needs no process group happens here, so entry points call it first and a bad
+    recipe fails in a second with a ConfigError, before any rank waits on another.
+    """
+    cfg = load_config(recipe, overrides)
+    ds_json = load_deepspeed_json(cfg.deepspeed)
+    dist_info = DistInfo.from_env(tp_size=tensor_parallel_size(ds_json))
+    return cfg, merge_deepspeed_config(cfg, ds_json, dist_info.dp_size), dist_info
 
 
 def lr_ratio(step: int, *, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:

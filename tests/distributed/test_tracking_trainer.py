@@ -9,23 +9,16 @@ value first logged for it, the params of the resolved recipe, the eval steps, th
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
 from ntil_ds.config import flatten, load_config
 from tests.distributed.training_runs import (
-    REPO_ROOT,
     TINY_RECIPE,
-    TRAIN_SCRIPT,
+    kill_after_checkpoint,
     launch_env,
-    launcher_command,
     run_training,
-    train_args,
 )
 
 pytestmark = pytest.mark.distributed
@@ -70,25 +63,7 @@ def killed_and_resumed(tmp_path_factory):
     }
     env = launch_env()
     env.pop("MLFLOW_TRACKING_URI", None)  # the embedded default store
-    command = launcher_command("torchrun", 2, TRAIN_SCRIPT, train_args(TINY_RECIPE, overrides))
-    job = subprocess.Popen(
-        command,
-        cwd=REPO_ROOT,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    marker = out / "checkpoints" / "step_00000002" / "COMPLETE"
-    try:
-        deadline = time.monotonic() + 300
-        while not marker.exists() and job.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert marker.exists(), "the job never completed its step-2 checkpoint"
-        assert job.poll() is None, "the job finished before it could be killed: nothing to resume"
-    finally:
-        os.killpg(job.pid, signal.SIGKILL)
-        job.wait(timeout=60)
+    kill_after_checkpoint(overrides, 2, env=env, timeout=300)
     resumed = run_training(overrides, env=env)
     assert resumed.returncode == 0, resumed.stdout[-6000:]
     assert "resumed from" in resumed.stdout

@@ -9,22 +9,14 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import time
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 
 from tests.distributed.training_runs import (
-    REPO_ROOT,
-    TINY_RECIPE,
-    TRAIN_SCRIPT,
-    launch_env,
-    launcher_command,
+    kill_after_checkpoint,
     run_training,
-    train_args,
     train_metrics,
     write_mixed_arithmetic_data,
 )
@@ -32,6 +24,7 @@ from tests.distributed.training_runs import (
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 STEPS = 6
+STEP_KEYS = ("loss", "ce", "ntil", "emd", "rel", "mag", "lr", "grad_norm", "tokens_per_s", "peak_mem_mib")
 
 
 def base_overrides(model_dir: Path, data_file: Path, output_dir: Path) -> dict[str, object]:
@@ -94,7 +87,7 @@ def test_ntil_loss_falls_on_mixed_text_and_image_batches(uninterrupted_run):
     metrics = train_metrics(out)
     assert sorted(metrics) == list(range(1, STEPS + 1))
     for record in metrics.values():
-        for key in ("loss", "ce", "ntil", "emd", "rel", "mag", "lr", "grad_norm", "tokens_per_s", "peak_mem_mib"):
+        for key in STEP_KEYS:
             assert math.isfinite(record[key]), (key, record)
         # The logged loss is NTIL's value: (1 + ntil_lambda) x CE per token.
         assert record["loss"] == pytest.approx(1.3 * record["ce"], rel=1e-5)
@@ -124,32 +117,8 @@ def test_killed_job_resumes_and_reproduces_the_uninterrupted_losses(qwen_setup, 
         "tracking.enabled": "true",
         "tracking.uri": f"sqlite:///{root / 'mlflow_resume.db'}",
     }
-    command = launcher_command("torchrun", 2, TRAIN_SCRIPT, train_args(TINY_RECIPE, overrides))
     job_log = root / "killed_job.log"
-    log_file = job_log.open("w")
-    job = subprocess.Popen(
-        command,
-        cwd=REPO_ROOT,
-        env=launch_env(),
-        stdout=log_file,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    marker = out / "checkpoints" / "step_00000003" / "COMPLETE"
-    try:
-        deadline = time.monotonic() + 500
-        while not marker.exists() and job.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert marker.exists(), "the job never completed its step-3 checkpoint"
-    finally:
-        # The whole job, as a node failure would: launcher and workers (torchrun starts its workers in
-        # sessions of their own, so they are found as descendants, not by process group).
-        job_processes = [psutil.Process(job.pid), *psutil.Process(job.pid).children(recursive=True)]
-        for process in job_processes:
-            process.kill()
-        psutil.wait_procs(job_processes, timeout=60)
-        job.wait(timeout=60)
-        log_file.close()
+    kill_after_checkpoint(overrides, 3, log_path=job_log)
     assert not (out / "checkpoints" / "step_00000006").exists(), "the job finished before it was killed"
     # A checkpoint the dying job was writing: must never be picked.
     half_written = out / "checkpoints" / "step_00000005"

@@ -8,8 +8,10 @@ import random
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 from PIL import Image, ImageDraw
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -86,6 +88,43 @@ def run_training(
         text=True,
         timeout=timeout,
     )
+
+
+def kill_after_checkpoint(
+    overrides: dict[str, object],
+    step: int,
+    *,
+    env: dict[str, str] | None = None,
+    log_path: Path | None = None,
+    timeout: float = 500,
+) -> None:
+    """Start a 2-process torchrun job and kill it, launcher and workers, as a node failure would, as
+    soon as its step-``step`` checkpoint is COMPLETE. Asserts the job was still running then."""
+    command = launcher_command("torchrun", 2, TRAIN_SCRIPT, train_args(TINY_RECIPE, overrides))
+    marker = Path(str(overrides["output_dir"])) / "checkpoints" / f"step_{step:08d}" / "COMPLETE"
+    with open(log_path or os.devnull, "w") as log_file:
+        job = subprocess.Popen(
+            command,
+            cwd=REPO_ROOT,
+            env=env or launch_env(),
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            deadline = time.monotonic() + timeout
+            while not marker.exists() and job.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert marker.exists(), f"the job never completed its step-{step} checkpoint"
+            assert job.poll() is None, "the job finished before it could be killed: nothing to resume"
+        finally:
+            # torchrun starts its workers in sessions of their own: they are found as descendants,
+            # not by process group.
+            job_processes = [psutil.Process(job.pid), *psutil.Process(job.pid).children(recursive=True)]
+            for process in job_processes:
+                process.kill()
+            psutil.wait_procs(job_processes, timeout=60)
+            job.wait(timeout=60)
 
 
 def train_metrics(output_dir: Path, split: str = "train") -> dict[int, dict]:
