@@ -33,7 +33,7 @@ demo: setup
 
 test: setup system-deps
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/python -m pytest -q
+	$(VENV)/bin/python -m pytest -q --durations=15
 
 lint: setup
 	$(VENV)/bin/ruff check .
