@@ -51,12 +51,8 @@ def plot_loss_curves(history: History, path: Path) -> Path | None:
             )
         ax.set_title(title)
         ax.set_xlabel("optimizer step")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize="small")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    return path
+        _finish_axes(ax)
+    return _save(fig, path)
 
 
 def plot_digit_position_error(series: dict[str, dict[int, float]], path: Path) -> Path:
@@ -71,9 +67,18 @@ def plot_digit_position_error(series: dict[str, dict[int, float]], path: Path) -
     ax.set_xlabel("digit position (0 = units, 1 = tens, ...)")
     ax.set_ylabel("error rate")
     ax.set_ylim(0.0, 1.05)
+    _finish_axes(ax)
+    return _save(fig, path)
+
+
+def _finish_axes(ax) -> None:
+    """What every panel shares: whole-number x ticks (steps, positions), a light grid, a legend."""
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
+
+
+def _save(fig: Figure, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     return path

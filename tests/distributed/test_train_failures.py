@@ -17,9 +17,9 @@ from tests.distributed.training_runs import (
     TRAIN_SCRIPT,
     launch_env,
     run_training,
+    tiny_model_and_data,
     train_args,
     train_metrics,
-    write_mixed_arithmetic_data,
 )
 
 pytestmark = [pytest.mark.distributed]
@@ -27,12 +27,7 @@ pytestmark = [pytest.mark.distributed]
 
 @pytest.fixture(scope="module")
 def tiny_setup(tmp_path_factory):
-    from ntil_ds.model.tiny import build_tiny_model_folder
-
-    root = tmp_path_factory.mktemp("failures")
-    model_dir = build_tiny_model_folder("qwen2_vl", root / "model")
-    data_file = write_mixed_arithmetic_data(root / "data", n=16, image_size=56)
-    return root, model_dir, data_file
+    return tiny_model_and_data(tmp_path_factory.mktemp("failures"), "qwen2_vl", n=16, image_size=56)
 
 
 def overrides(root: Path, model_dir: Path, data_file: Path, name: str, **extra: object) -> dict[str, object]:

@@ -17,8 +17,8 @@ import torch
 from tests.distributed.training_runs import (
     kill_after_checkpoint,
     run_training,
+    tiny_model_and_data,
     train_metrics,
-    write_mixed_arithmetic_data,
 )
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -55,12 +55,7 @@ def base_overrides(model_dir: Path, data_file: Path, output_dir: Path) -> dict[s
 
 @pytest.fixture(scope="module")
 def qwen_setup(tmp_path_factory):
-    from ntil_ds.model.tiny import build_tiny_model_folder
-
-    root = tmp_path_factory.mktemp("qwen2vl")
-    model_dir = build_tiny_model_folder("qwen2_vl", root / "model")
-    data_file = write_mixed_arithmetic_data(root / "data", n=48, image_size=56)
-    return root, model_dir, data_file
+    return tiny_model_and_data(tmp_path_factory.mktemp("qwen2vl"), "qwen2_vl", n=48, image_size=56)
 
 
 @pytest.fixture(scope="module")
@@ -171,12 +166,7 @@ def test_export_loads_without_deepspeed_and_matches_the_trained_weights(qwen_set
 
 @pytest.fixture(scope="module")
 def llava_setup(tmp_path_factory):
-    from ntil_ds.model.tiny import build_tiny_model_folder
-
-    root = tmp_path_factory.mktemp("llava")
-    model_dir = build_tiny_model_folder("llava", root / "model")
-    data_file = write_mixed_arithmetic_data(root / "data", n=48, image_size=28)
-    return root, model_dir, data_file
+    return tiny_model_and_data(tmp_path_factory.mktemp("llava"), "llava", n=48, image_size=28)
 
 
 @pytest.mark.timeout(1200)

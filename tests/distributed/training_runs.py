@@ -127,6 +127,15 @@ def kill_after_checkpoint(
             job.wait(timeout=60)
 
 
+def tiny_model_and_data(root: Path, kind: str, n: int, image_size: int) -> tuple[Path, Path, Path]:
+    """``(root, model folder, train JSONL)``: a tiny random ``kind`` model folder and mixed text/image
+    arithmetic data (see :func:`write_mixed_arithmetic_data`) under ``root``."""
+    from ntil_ds.model.tiny import build_tiny_model_folder
+
+    model_dir = build_tiny_model_folder(kind, root / "model")
+    return root, model_dir, write_mixed_arithmetic_data(root / "data", n=n, image_size=image_size)
+
+
 def train_metrics(output_dir: Path, split: str = "train") -> dict[int, dict]:
     """step -> record (the last record of a step wins: a resumed run repeats steps)."""
     records: dict[int, dict] = {}
