@@ -8,6 +8,9 @@ PY := $(VENV)/bin/python
 # JIT-compiled DeepSpeed CPU ops (shm comm) are cached here between runs.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.torch_extensions
 export DS_ACCELERATOR ?= cpu
+# Where torch comes from (README, "Install by hand"): empty = pip's default index (this project's CI
+# machines find the CPU wheel on local disk); https://download.pytorch.org/whl/cpu elsewhere for CPU.
+TORCH_INDEX_URL ?=
 
 .PHONY: setup system-deps demo test lint
 
@@ -15,7 +18,7 @@ $(VENV)/.installed: pyproject.toml constraints/cpu.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch first and pinned: anything unpinned would pull a multi-GB CUDA build.
-	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q torch==2.13.0 $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
 	DS_BUILD_OPS=0 $(PY) -m pip install -q -c constraints/cpu.txt -e ".[dev]"
 	touch $@
 

@@ -39,7 +39,7 @@ def main() -> None:
 
     from ntil_ds.config import gradient_accumulation_steps
     from ntil_ds.data import Collator, ConversationDataset, load_processor
-    from ntil_ds.engine import init_distributed, resolve_run
+    from ntil_ds.engine import init_distributed, peak_memory_mib, resolve_run
     from ntil_ds.model import load_model
 
     cfg, ds_config, dist_info = resolve_run(args.config, args.overrides)
@@ -100,11 +100,19 @@ def main() -> None:
 
         def on_step_end(self, args, state, control, **kwargs):
             elapsed = time.perf_counter() - self.started  # taken before the all_reduce below
-            tokens = torch.tensor([trainer.step_tokens], dtype=torch.float64)
+            # On the Trainer's device: NCCL (the CUDA backend) cannot all_reduce a CPU tensor.
+            tokens = torch.tensor([trainer.step_tokens], dtype=torch.float64, device=trainer.args.device)
             if dist.is_initialized():
                 dist.all_reduce(tokens)
             trainer.step_tokens = 0.0
-            records.append({"step": state.global_step, "step_time_s": elapsed, "tokens": float(tokens)})
+            records.append(
+                {
+                    "step": state.global_step,
+                    "step_time_s": elapsed,
+                    "tokens": float(tokens),
+                    "peak_mem_mib": peak_memory_mib(trainer.args.device),
+                }
+            )
 
     trainer = CountingTrainer(
         model=loaded.model,

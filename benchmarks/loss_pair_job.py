@@ -43,10 +43,10 @@ def main() -> None:
         for name in ("ce", "ntil")
     }
     trainer.engine.train()
-    batches = trainer._micro_batches()
+    steps = trainer._step_batches()  # packed or padded as the recipe says, prepared by its workers
     records = []
     for step in range(1, args.steps + 1):
-        micro_batches = [next(batches) for _ in range(trainer.grad_accum)]
+        micro_batches = next(steps)
         order = ("ce", "ntil") if step % 2 else ("ntil", "ce")
         for name in order:
             trainer.loss_fn = losses[name]
@@ -58,6 +58,8 @@ def main() -> None:
                     "step_time_s": metrics["step_time_s"],
                     "tokens": metrics["tokens_per_s"] * metrics["step_time_s"],
                     "loss": metrics["loss"],
+                    "peak_mem_mib": metrics["peak_mem_mib"],
+                    "micro_batches": len(micro_batches),
                 }
             )
     if dist_info.is_main:

@@ -2,6 +2,10 @@
 
     python -m benchmarks.loss_speed            # quick (< 2 min): [2, 256, 32000], tp = 2 and 4
     python -m benchmarks.loss_speed --full     # the shapes: [8, 512, 32000], [4, 2048, 151936]
+    python -m benchmarks.loss_speed --device cuda   # one GPU, bf16 and fp32 (< 3 min on an H200):
+                                                    # see benchmarks/loss_speed_cuda.py
+
+The rest of this docstring describes the CPU mode.
 
 (from the repository root; `python benchmarks/loss_speed.py` works too once the package is installed)
 
@@ -242,8 +246,16 @@ def main() -> None:
         "--full", action="store_true", help="the issue's shapes (needs ~20 GB and several minutes)"
     )
     parser.add_argument("--shapes", default="", help="override the shapes, e.g. 8x512x32000,4x2048x151936")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {METHODS}")
+    parser.add_argument(
+        "--repeats", type=int, default=None, help="calls per median (default: 3 CPU, 10 CUDA)"
+    )
+    parser.add_argument(
+        "--methods", default=None, help=f"comma-separated subset of {METHODS} (CPU) or of the CUDA methods"
+    )
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument(
+        "--dtypes", default="bf16,fp32", help="--device cuda: logits dtypes (bf16, fp32, fp16)"
+    )
     parser.add_argument(
         "--tp", default="2,4", help="tensor-parallel sizes for the vocab-parallel rows ('' = none)"
     )
@@ -251,6 +263,17 @@ def main() -> None:
     parser.add_argument("--time-worker", nargs=4, metavar=("METHODS", "B", "T", "V"), help=argparse.SUPPRESS)
     parser.add_argument("--vp-worker", nargs=4, metavar=("TP", "B", "T", "V"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.device == "cuda":
+        from benchmarks.loss_speed_cuda import CUDA_METHODS, CUDA_SHAPES, run
+
+        shapes = CUDA_SHAPES
+        if args.shapes:
+            shapes = [tuple(int(d) for d in shape.split("x")) for shape in args.shapes.split(",")]
+        methods = (args.methods or ",".join(CUDA_METHODS)).split(",")
+        run(shapes, [d for d in args.dtypes.split(",") if d], [m for m in methods if m], args.repeats or 10)
+        return
+    args.repeats = args.repeats or 3
+    args.methods = args.methods or ",".join(METHODS)
 
     if args.memory_worker:
         method, *dims = args.memory_worker

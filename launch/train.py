@@ -17,7 +17,7 @@ import os
 import sys
 
 from ntil_ds.config import ConfigError
-from ntil_ds.dist import DistInfo
+from ntil_ds.dist import DistInfo, exit_process
 from ntil_ds.engine import init_distributed, resolve_run
 from ntil_ds.preemption import EXIT_PREEMPTED, PreemptionWatcher
 
@@ -34,6 +34,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def report(dist_info: DistInfo, kind: str, error: Exception) -> None:
+    """Every rank prints the reason it stops: the launcher kills the other ranks as soon as one exits,
+    so a message left to rank 0 alone can be lost when another rank is faster."""
+    print(f"[rank {dist_info.rank}] {kind}: {error}", file=sys.stderr, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     dist_info = DistInfo.from_env()
@@ -45,11 +51,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg, ds_config, dist_info = resolve_run(args.config, args.overrides)
     except (ConfigError, ValueError) as e:
-        if dist_info.is_main:
-            print(f"config error: {e}", file=sys.stderr)
+        report(dist_info, "config error", e)
         return EXIT_CONFIG_ERROR
 
     init_distributed()
+    from ntil_ds.checkpoint import CheckpointWriteError
     from ntil_ds.data import DataError  # after the checks: a bad recipe fails fast
     from ntil_ds.tracking import default_tags
     from ntil_ds.trainer import NonFiniteLossError, Trainer
@@ -65,12 +71,10 @@ def main(argv: list[str] | None = None) -> int:
         )
         result = trainer.fit()
     except (ConfigError, DataError) as e:  # found while building (a freeze flag, a bad data line)
-        if dist_info.is_main:
-            print(f"{'config' if isinstance(e, ConfigError) else 'data'} error: {e}", file=sys.stderr)
+        report(dist_info, "config error" if isinstance(e, ConfigError) else "data error", e)
         return EXIT_CONFIG_ERROR
-    except NonFiniteLossError as e:
-        if dist_info.is_main:
-            print(f"error: {e}", file=sys.stderr)
+    except (NonFiniteLossError, CheckpointWriteError) as e:
+        report(dist_info, "error", e)
         return 1
     finally:
         watcher.close()
@@ -81,4 +85,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

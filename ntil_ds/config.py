@@ -45,14 +45,39 @@ class ModelConfig:
     trust_remote_code: bool = False
     # Where the processor/tokenizer comes from; empty means name_or_path.
     processor: str = ""
+    # Fused kernels patched in at load time (ntil_ds/model/kernels.py): "liger" = Liger-Kernel's RMSNorm,
+    # SwiGLU MLP and rotary embedding for the model kinds it supports (needs the gpu extra: liger-kernel).
+    kernels: Literal["none", "liger"] = "none"
+
+
+@dataclass
+class LoraConfig:
+    """LoRA / QLoRA (ntil_ds/model/lora.py). Off by default: full fine-tuning."""
+
+    enabled: bool = False
+    r: int = 16
+    alpha: float = 32.0  # adapter output scaled by alpha / r
+    dropout: float = 0.05
+    # Comma-separated layer names inside the language model, or "all-linear" (never the vision tower).
+    target_modules: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+    # Comma-separated modules trained in full and saved with the adapter. NTIL's gradient reaches the
+    # digits through the output head: keep lm_head here (embed_tokens too for tied-embedding models).
+    modules_to_save: str = "lm_head"
+    # nf4: QLoRA, the frozen base weights loaded in 4 bits (bitsandbytes). One process only for now: the
+    # trainer refuses it under DeepSpeed (ntil_ds/model/lora.py says why); the estimator covers it.
+    quantize: Literal["none", "nf4"] = "none"
+    # Also write export/merged/: base + adapters merged, loads with plain from_pretrained.
+    merge_on_export: bool = False
 
 
 @dataclass
 class LossConfig:
     # ntil: CE + NTIL (the paper); ce: plain cross-entropy (NTIL parts still logged, no gradient);
-    # emd: NTIL without its sequence-level terms (the paper's EMD-only baseline).
-    name: Literal["ntil", "ce", "emd"] = "ntil"
+    # emd: NTIL without its sequence-level terms (the paper's EMD-only baseline); ntl: CE + ntl_lambda x
+    # the Wasserstein Number Token Loss of the optional `ntloss` package (a peer to compare against).
+    name: Literal["ntil", "ce", "emd", "ntl"] = "ntil"
     ntil_lambda: float = 0.3
+    ntl_lambda: float = 0.3
     digit_alpha: float = 1.0
     abs_alpha: float = 0.2
     mag_alpha: float = 0.2
@@ -61,6 +86,13 @@ class LossConfig:
     gumbel_noise_scale: float = 0.01
     decimal_numbers: bool = False
     signed_numbers: bool = False
+    # How the loss is computed, not what (same numbers within float rounding; docs/loss.md). kernel: the
+    # vocabulary stage; auto = the fused Triton kernels for CUDA logits when triton imports, else the torch
+    # tiles; torch / triton force one (triton fails without Triton).
+    kernel: Literal["auto", "torch", "triton"] = "auto"
+    # number_stage: eager runs the per-digit/per-number terms as written; compile runs them through
+    # torch.compile (fewer, fused kernels on CUDA; compiled once at the first step, ~tens of seconds).
+    number_stage: Literal["eager", "compile"] = "eager"
 
 
 @dataclass
@@ -74,6 +106,12 @@ class DataConfig:
     # ZeRO-3 needs every rank to run the vision tower each step: a micro-batch without an image gets a
     # tiny fake one, masked out of attention and labels.
     fake_image: bool = True
+    # Sequence packing (ntil_ds/data/packing.py): > 0 packs each rank's samples of a step, in order, into
+    # micro-batches of one row of at most this many tokens (attention never crosses samples; exact, see
+    # docs/training.md). An optimizer step still takes train.global_batch_size samples; the number of
+    # forwards per step then follows from the tokens (train.micro_batch_size is not used for batching).
+    # Must be >= data.max_seq_len. 0: no packing, train.micro_batch_size padded rows per forward.
+    max_tokens_per_micro_batch: int = 0
 
 
 @dataclass
@@ -135,6 +173,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -277,7 +316,9 @@ def validate(cfg: Config) -> None:
         "optim.grad_clip": cfg.optim.grad_clip,
         "optim.weight_decay": cfg.optim.weight_decay,
         "loss.ntil_lambda": cfg.loss.ntil_lambda,
+        "loss.ntl_lambda": cfg.loss.ntl_lambda,
         "data.num_workers": cfg.data.num_workers,
+        "data.max_tokens_per_micro_batch": cfg.data.max_tokens_per_micro_batch,
     }
     for key, value in non_negative.items():
         if value < 0:
@@ -290,10 +331,36 @@ def validate(cfg: Config) -> None:
         raise ConfigError(
             f"optim.warmup_steps={cfg.optim.warmup_steps} exceeds train.max_steps={cfg.train.max_steps}"
         )
+    if 0 < cfg.data.max_tokens_per_micro_batch < cfg.data.max_seq_len:
+        raise ConfigError(
+            f"data.max_tokens_per_micro_batch={cfg.data.max_tokens_per_micro_batch} is below "
+            f"data.max_seq_len={cfg.data.max_seq_len}: the longest sample would not fit a micro-batch; "
+            "raise it (or set it to 0 to turn packing off)"
+        )
     if cfg.train.eval_every and not cfg.data.eval_file:
         raise ConfigError("train.eval_every > 0 needs data.eval_file (or set train.eval_every=0)")
     if cfg.model.freeze_vision_tower and cfg.model.freeze_projector and cfg.model.freeze_language_model:
         raise ConfigError("model.freeze_* are all true: nothing would train")
+    _validate_lora(cfg)
+
+
+def _validate_lora(cfg: Config) -> None:
+    lora = cfg.lora
+    if not lora.enabled:
+        if lora.quantize != "none":
+            raise ConfigError(f"lora.quantize={lora.quantize} needs lora.enabled=true (QLoRA is LoRA on 4-bit weights)")
+        return
+    if lora.r <= 0 or lora.alpha <= 0:
+        raise ConfigError(f"lora.r={lora.r} and lora.alpha={lora.alpha} must be > 0")
+    if not 0.0 <= lora.dropout < 1.0:
+        raise ConfigError(f"lora.dropout={lora.dropout} must be in [0, 1)")
+    if cfg.model.freeze_language_model:
+        raise ConfigError("lora.enabled=true trains adapters in the language model: set model.freeze_language_model=false")
+    if lora.quantize != "none" and cfg.model.init != "pretrained":
+        raise ConfigError(
+            f"lora.quantize={lora.quantize} quantizes pretrained weights as they load: set model.init=pretrained "
+            "(for a random model, save it with save_pretrained first and train from that folder)"
+        )
 
 
 def gradient_accumulation_steps(cfg: Config, data_parallel_size: int) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 import resource
 from collections.abc import Iterable
 from pathlib import Path
@@ -19,9 +20,12 @@ from typing import Any
 
 import deepspeed
 import torch
+import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
+from deepspeed.utils import groups as deepspeed_groups
 
 from ntil_ds.config import Config, ConfigError, gradient_accumulation_steps, load_config
-from ntil_ds.dist import DistInfo
+from ntil_ds.dist import DistInfo, check_parallel_layout, launcher_env_defaults
 
 # Keys whose value the recipe decides; the JSON may repeat them only with the same value (or "auto").
 _RECIPE_OWNED_BLOCKS = ("optimizer", "scheduler")
@@ -158,16 +162,34 @@ def write_deepspeed_config(ds_config: dict[str, Any], path: str | Path) -> Path:
 
 
 def init_distributed() -> None:
-    """Join the process group the launcher set up (gloo on CPU, nccl on GPUs). Idempotent."""
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    deepspeed.init_distributed(dist_backend=backend)
+    """Join the process group the launcher set up; without a launcher, a group of one. Idempotent.
+
+    The backend is DeepSpeed's accelerator's (nccl on CUDA, gloo on CPU), which honours DS_ACCELERATOR:
+    ``DS_ACCELERATOR=cpu`` on a GPU node trains on the CPU with gloo, as DeepSpeed itself does.
+    """
+    # Without torchrun/deepspeed (python launch/train.py) DeepSpeed would try MPI discovery (mpi4py).
+    os.environ.update(launcher_env_defaults(os.environ))
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+
+
+def leave_process_group() -> None:
+    """COLLECTIVE, at the end of a job: every rank waits for the others, then leaves the process group.
+
+    After it no collective of one rank can still be in flight while another is gone, and ranks finish on
+    their own (rank 0 delivering tracking records) with no group held open.
+    """
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def device_for(local_rank: int) -> torch.device:
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
+    """This rank's device, from DeepSpeed's accelerator (so it agrees with the engine and the backend)."""
+    accelerator = get_accelerator()
+    if accelerator.device_name() == "cpu":
+        return torch.device("cpu")
+    accelerator.set_device(local_rank)
+    return torch.device(accelerator.device_name(local_rank))
 
 
 def peak_memory_mib(device: torch.device) -> float:
@@ -242,11 +264,52 @@ class TrainingEngine:
         """Called after every micro-batch; DeepSpeed steps the optimizer at the accumulation boundary."""
         self.engine.step()
 
+    def set_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Before each micro-batch: whether its backward ends the optimizer step. The trainer says so
+        explicitly because with sequence packing the forwards per step vary (DeepSpeed would count to
+        its configured gradient_accumulation_steps)."""
+        self.engine.set_gradient_accumulation_boundary(is_boundary)
+
+    def gradients_are_finite(self) -> bool:
+        """COLLECTIVE (every rank): are all gradients of the step finite? Call after the accumulation
+        boundary's backward, before :meth:`step`.
+
+        ZeRO optimizers check their own gradient partitions (over the data-parallel group); a MAX over
+        the world adds the tensor-parallel ranks, whose partitions differ.
+        """
+        optimizer = self.engine.optimizer
+        if hasattr(optimizer, "has_overflow"):  # ZeRO 1-3: gradients live in the optimizer's partitions
+            local = bool(optimizer.has_overflow(partition_gradients=True))
+        else:
+            local = any(
+                not bool(torch.isfinite(p.grad).all())
+                for p in self.engine.module.parameters()
+                if p.grad is not None
+            )
+        flag = torch.tensor([float(local)], device=self.engine.device)
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return flag.item() == 0.0
+
     def train(self) -> None:
         self.engine.train()
 
     def eval(self) -> None:
         self.engine.eval()
+
+    def check_layout(self, dist_info: DistInfo) -> None:
+        """Raise unless DeepSpeed grouped the ranks as the data sharding assumes (see dist.py)."""
+        if dist_info.tp_size == 1:
+            tp_group, dp_group = [dist_info.rank], list(range(dist_info.world_size))
+        else:
+            tp_group = dist.get_process_group_ranks(deepspeed_groups.get_tensor_model_parallel_group())
+            dp_group = dist.get_process_group_ranks(deepspeed_groups.get_data_parallel_group())
+        check_parallel_layout(dist_info, tp_group, dp_group)
+        if self.data_parallel_size != dist_info.dp_size:
+            raise RuntimeError(
+                f"DeepSpeed averages gradients over {self.data_parallel_size} ranks but the job has "
+                f"{dist_info.dp_size} data-parallel ranks: the trainer's loss normalization would be wrong"
+            )
 
     @property
     def data_parallel_size(self) -> int:

@@ -98,9 +98,12 @@ def clock_deviation(prediction_minutes: int, reference_minutes: int) -> int:
 def score(task: str, predictions: Sequence[str], references: Sequence[str]) -> dict[str, float]:
     """Scores of one task's predictions against references (equal-length lists of answer strings).
 
-    Every task: `n`, `exact_match`, `parsed`, `unparsed`. Then by task: number tasks (`arithmetic`,
-    `chart`, and any other task name) add `abs_error`, `rel_error`, `digit_acc` and `digit_acc_pos<i>`
-    (units = 0); `boxes` adds `iou` and `acc@0.5`; `clock` adds `clock_acc` and `clock_dev_minutes`.
+    Every task: `n`, `exact_match`, `parsed`, `unparsed`, `parse_rate` (parsed / n). Then by task: number
+    tasks (`arithmetic`, `chart`, and any other task name) add `abs_error` (MAE), `rel_error` (mean
+    relative error), `digit_acc` and `digit_acc_pos<i>` (units = 0); `boxes` adds `iou` (mean IoU, an
+    unparsed answer counts 0), `acc@0.5` (share with IoU >= 0.5) and `coord_mae` (mean absolute error of
+    the four coordinates, over parsed answers); `clock` adds `clock_acc` (exact time) and
+    `clock_dev_minutes` (mean deviation on the 12-hour dial, over parsed answers).
     """
     if len(predictions) != len(references):
         raise ValueError(f"{len(predictions)} predictions for {len(references)} references")
@@ -113,6 +116,7 @@ def score(task: str, predictions: Sequence[str], references: Sequence[str]) -> d
     }
     result.update(scorer(predictions, references))
     result["unparsed"] = result["n"] - result["parsed"]
+    result["parse_rate"] = result["parsed"] / result["n"]
     return result
 
 
@@ -148,10 +152,14 @@ def _score_boxes(predictions, references) -> dict[str, float]:
     refs = [_reference(parse_box, r) for r in references]
     preds = [parse_box(p) for p in predictions]
     ious = [box_iou(p, r) if p is not None else 0.0 for p, r in zip(preds, refs, strict=True)]
+    coordinate_errors = [
+        abs(a - b) for p, r in zip(preds, refs, strict=True) if p is not None for a, b in zip(p, r, strict=True)
+    ]
     return {
         "parsed": sum(p is not None for p in preds),
         "iou": _mean(ious),
         "acc@0.5": _mean(iou >= 0.5 for iou in ious),
+        "coord_mae": _mean(coordinate_errors),
     }
 
 

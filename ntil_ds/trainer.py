@@ -21,7 +21,7 @@ import math
 import random
 import time
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -32,12 +32,13 @@ from tqdm import tqdm
 
 from ntil_ds.checkpoint import (
     TrainerState,
+    agree_on_resume_checkpoint,
+    check_resume_config,
     export_hf_folder,
-    find_resume_checkpoint,
     load_checkpoint,
     save_checkpoint,
 )
-from ntil_ds.config import Config, flatten, gradient_accumulation_steps, save_config
+from ntil_ds.config import Config, ConfigError, flatten, gradient_accumulation_steps, save_config
 from ntil_ds.data import (
     IGNORE_INDEX,
     Collator,
@@ -46,16 +47,26 @@ from ntil_ds.data import (
     load_processor,
     tokenizer_of,
 )
+from ntil_ds.data.packing import PACKING_KEYS, PackedCollator
+from ntil_ds.data.steps import StepBatches, step_loader
 from ntil_ds.dist import DistInfo
-from ntil_ds.engine import TrainingEngine, device_for, peak_memory_mib, write_deepspeed_config
+from ntil_ds.engine import (
+    TrainingEngine,
+    device_for,
+    leave_process_group,
+    peak_memory_mib,
+    write_deepspeed_config,
+)
 from ntil_ds.loss import (
     NTILLoss,
     NTILOutput,
     digit_token_ids_from_tokenizer,
     number_sign_and_point_ids_from_tokenizer,
 )
+from ntil_ds.loss.ntl import NTLLoss
 from ntil_ds.loss.numbers import analyse_numbers
 from ntil_ds.model import load_model
+from ntil_ds.model.packing import rope_fn_for
 from ntil_ds.model.tensor_parallel import VocabShard, find_vocab_shard
 from ntil_ds.preemption import PreemptionWatcher
 from ntil_ds.tracking import Tracker, build_tracker
@@ -68,7 +79,8 @@ EXPORT_DIR = "export"
 
 
 class NonFiniteLossError(RuntimeError):
-    """A NaN/Inf loss: raised on every rank before the optimizer step, naming step, rank and batch."""
+    """A NaN/Inf loss or gradient: raised on every rank before the optimizer step, naming step, rank and
+    batch."""
 
 
 @dataclass
@@ -86,10 +98,13 @@ class MicroBatch:
     tensors: dict[str, torch.Tensor]  # collator output, including labels
 
 
-def build_loss(cfg: Config, tokenizer: Any) -> NTILLoss:
+def build_loss(cfg: Config, tokenizer: Any) -> NTILLoss | NTLLoss:
     """NTILLoss from ``cfg.loss``: ``ce`` is NTIL with lambda 0 (parts still reported, no gradient);
-    ``emd`` drops the sequence-level terms (the paper's EMD-only baseline)."""
+    ``emd`` drops the sequence-level terms (the paper's EMD-only baseline); ``ntl`` is that ``ce`` plus
+    the ntloss package's number token loss (:mod:`ntil_ds.loss.ntl`)."""
     c = cfg.loss
+    if c.name == "ntl":
+        return NTLLoss(build_loss(replace(cfg, loss=replace(c, name="ce")), tokenizer), tokenizer, c.ntl_lambda)
     point_id = minus_id = None
     if c.decimal_numbers or c.signed_numbers:
         minus_id, point_id = number_sign_and_point_ids_from_tokenizer(tokenizer)
@@ -107,6 +122,8 @@ def build_loss(cfg: Config, tokenizer: Any) -> NTILLoss:
         signed_numbers=c.signed_numbers,
         decimal_point_id=point_id,
         minus_sign_id=minus_id,
+        kernel=c.kernel,  # loss.name=ntl gets both through its inner ce loss (the recursion above)
+        number_stage=c.number_stage,
     )
 
 
@@ -153,6 +170,11 @@ class Trainer:
         self.output_dir = Path(cfg.output_dir)
         self.grad_accum = gradient_accumulation_steps(cfg, dist_info.dp_size)
         self.device = device_for(dist_info.local_rank)
+        # Which checkpoint to continue, decided by rank 0 for all, and checked against this recipe before
+        # anything is built or written: a different recipe must not silently continue another run.
+        checkpoint = agree_on_resume_checkpoint(cfg.resume, self.output_dir, dist_info)
+        if checkpoint is not None:
+            check_resume_config(checkpoint, cfg)
         if dist_info.is_main:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             save_config(cfg, self.output_dir / "config.yaml")
@@ -177,19 +199,39 @@ class Trainer:
                     log.info("data: %s", data.report.summary())
         # Same seed on every rank: random init is identical everywhere (ZeRO-3 keeps one slice each).
         _seed_everything(cfg.train.seed)
-        self.loaded = load_model(cfg.model, ds_config)  # keeps the ZeRO-3 config alive with the model
+        # keeps the ZeRO-3 config alive with the model; lora: peft adapters when cfg.lora.enabled
+        self.loaded = load_model(cfg.model, ds_config, self.device, lora=cfg.lora)
         if dist_info.is_main:
             log.info("attention implementation: %s", self.loaded.attn_implementation)
         self.engine = TrainingEngine(self.loaded.model, cfg, ds_config)
-        if self.engine.data_parallel_size != dist_info.dp_size:
-            raise RuntimeError(
-                f"DeepSpeed averages gradients over {self.engine.data_parallel_size} ranks but the job has "
-                f"{dist_info.dp_size} data-parallel ranks: the normalization below would be wrong"
-            )
+        self.engine.check_layout(dist_info)  # the data sharding and the normalization assume it
         # With AutoTP's vocab-parallel head, this rank's logits are one slice of the vocabulary.
         self.vocab_shard: VocabShard | None = find_vocab_shard(self.engine.module, dist_info.tp_size)
+        if self.vocab_shard is not None and cfg.loss.name == "ntl":
+            raise ConfigError(
+                "loss.name=ntl cannot run on vocabulary-parallel logits (autotp_size > 1 shards the LM head; "
+                "ntloss needs the full vocabulary): use loss.name=ntil, emd or ce, or train without tensor "
+                "parallelism"
+            )
 
         self.collator = Collator(self.processor, fake_image=cfg.data.fake_image)
+        # Sequence packing: training batches pack samples into rows (eval stays padded).
+        self.train_collator: Any = self.collator
+        if cfg.data.max_tokens_per_micro_batch:
+            if cfg.loss.name == "ntl":
+                raise ConfigError(
+                    "loss.name=ntl does not support packing: set data.max_tokens_per_micro_batch=0"
+                )
+            rope_fn = rope_fn_for(self.loaded.model)  # raises for model types packing is not verified on
+            # flash-attention's varlen kernel: one row, no padding. sdpa/eager build a block-diagonal mask,
+            # quadratic in the row length: rows no longer than the longest sample.
+            flash = self.loaded.attn_implementation == "flash_attention_2"
+            self.train_collator = PackedCollator(
+                self.processor,
+                fake_image=cfg.data.fake_image,
+                rope_fn=rope_fn,
+                row_tokens=None if flash else cfg.data.max_seq_len,
+            )
         self.sampler = ResumableDistributedSampler(
             len(self.train_data),
             dp_rank=dist_info.dp_rank,
@@ -199,7 +241,6 @@ class Trainer:
         )
 
         self.state = TrainerState(step=0)
-        checkpoint = find_resume_checkpoint(cfg.resume, self.output_dir)
         self.resumed = checkpoint is not None
         if checkpoint is not None:
             self.state = load_checkpoint(self.engine, checkpoint, dist_info)
@@ -231,10 +272,13 @@ class Trainer:
     # The job
 
     def fit(self) -> FitResult:
-        """Train to ``train.max_steps`` (or until preempted), checkpointing and exporting on the way."""
+        """Train to ``train.max_steps`` (or until preempted), checkpointing and exporting on the way.
+
+        The whole job: when it returns, this process has left the process group (no collective may
+        follow) and the tracking run is ended."""
         cfg = self.cfg
         self.engine.train()
-        batches = self._micro_batches()
+        steps = self._step_batches()
         progress = tqdm(
             total=cfg.train.max_steps,
             initial=self.state.step,
@@ -253,9 +297,11 @@ class Trainer:
                     status = "preempted"
                     break
                 # Look ahead: the whole step's micro-batches, so their token count is known up front.
-                micro_batches = [next(batches) for _ in range(self.grad_accum)]
+                micro_batches = next(steps)
                 metrics = self._train_step(micro_batches)
                 self.state.step += 1
+                # Advanced by what was trained, never by what the loader prefetched: resume stays exact.
+                self.sampler.skip(cfg.train.global_batch_size // self.dist.dp_size)
                 self.state.sampler = self.sampler.state_dict()
                 self._log_train(metrics, progress)
 
@@ -284,6 +330,10 @@ class Trainer:
             raise
         finally:
             progress.close()
+        # The ranks' work is done: they leave the process group together, and only then does rank 0
+        # deliver its tracking backlog (minutes after a server outage) with no group held open. How the
+        # process then ends, and why: ntil_ds.dist.exit_process.
+        leave_process_group()
         self.tracker.finish("FINISHED" if status == "completed" else "KILLED")
         return FitResult(status=status, step=self.state.step, export_dir=export_dir)
 
@@ -325,6 +375,8 @@ class Trainer:
         micro_loss_sums = []
         input_tokens = 0
         for index, micro_batch in enumerate(micro_batches):
+            # Packing varies the forwards per step: DeepSpeed is told which backward ends it.
+            self.engine.set_accumulation_boundary(index == len(micro_batches) - 1)
             out = self._loss(micro_batch, generator=self._gumbel_generator(step, index))
             self.engine.backward(out.loss_sum * scale)
             parts = torch.stack([out.loss_sum, out.ce_sum, out.ntil, out.emd, out.rel, out.mag])
@@ -341,6 +393,10 @@ class Trainer:
         reduced = self._all_reduce_sum(torch.cat([sums, extra]))
         if reduced[7] > 0:
             self._raise_non_finite(micro_batches, micro_loss_sums, non_finite.tolist())
+        # A finite loss can still give a NaN/Inf gradient (an overflow in the backward); in bf16/fp32
+        # DeepSpeed would apply it and every weight would turn NaN. A collective check, before the step.
+        if not self.engine.gradients_are_finite():
+            self._raise_non_finite_gradient(micro_batches, reduced[0] / self.dist.tp_size / max(global_labelled, 1.0))
         self.engine.step()  # the accumulation boundary: clip, optimizer step, schedule
 
         elapsed = time.perf_counter() - started
@@ -362,10 +418,18 @@ class Trainer:
         }
 
     def _loss(self, micro_batch: MicroBatch, generator: torch.Generator | None) -> NTILOutput:
-        tensors = self._model_inputs(micro_batch)
-        labels = micro_batch.tensors["labels"].to(self.device)
+        return self._loss_of_logits(self._logits(micro_batch), micro_batch, generator)
+
+    def _logits(self, micro_batch: MicroBatch) -> torch.Tensor:
+        """One forward (under ZeRO-3: one gather of every parameter); this rank's vocabulary slice."""
         # No labels=: HF would compute its own loss (on full-vocab logits, which may not exist here).
-        logits = self.engine.forward(**tensors, use_cache=False).logits
+        return self.engine.forward(**self._model_inputs(micro_batch), use_cache=False).logits
+
+    def _loss_of_logits(
+        self, logits: torch.Tensor, micro_batch: MicroBatch, generator: torch.Generator | None
+    ) -> NTILOutput:
+        labels = micro_batch.tensors["labels"].to(self.device, non_blocking=True)
+        packing = {k: micro_batch.tensors[k].to(self.device) for k in PACKING_KEYS if k in micro_batch.tensors}
         shard = self.vocab_shard
         return self.loss_fn(
             logits,
@@ -373,15 +437,20 @@ class Trainer:
             process_group=shard.process_group if shard else None,
             vocab_start=shard.vocab_start if shard else 0,
             generator=generator,
+            **packing,  # unpack_index: NTIL's per-sequence terms per packed sample
         )
 
     def _model_inputs(self, micro_batch: MicroBatch) -> dict[str, torch.Tensor]:
-        """The batch without labels, on the device; pixels in the model's dtype."""
+        """The batch without labels, on the device (asynchronous from pinned memory); pixels in the model's
+        dtype. A packed batch goes without attention_mask: transformers then separates the samples by
+        their restarting position_ids (ntil_ds/data/packing.py)."""
         dtype = self.loaded.dtype
+        tensors = micro_batch.tensors
+        skip = {"labels", *PACKING_KEYS, *(("attention_mask",) if "unpack_index" in tensors else ())}
         return {
-            key: value.to(self.device, dtype=dtype if value.is_floating_point() else value.dtype)
-            for key, value in micro_batch.tensors.items()
-            if key != "labels"
+            key: value.to(self.device, dtype=dtype if value.is_floating_point() else value.dtype, non_blocking=True)
+            for key, value in tensors.items()
+            if key not in skip
         }
 
     def _gumbel_generator(self, step: int, micro_index: int, *, evaluation: bool = False) -> torch.Generator:
@@ -417,6 +486,17 @@ class Trainer:
             "Lower optim.lr, check these samples, or use model.dtype=bfloat16 instead of float16."
         )
 
+    def _raise_non_finite_gradient(self, micro_batches: list[MicroBatch], loss: float) -> None:
+        step = self.state.step + 1
+        samples = [i for micro_batch in micro_batches for i in micro_batch.sample_ids]
+        raise NonFiniteLossError(
+            f"non-finite gradient at step {step} (of {self.cfg.train.max_steps}) with a finite loss "
+            f"({loss:.6g}); the optimizer did not take this step, the weights are those after step "
+            f"{step - 1}. Rank {self.dist.rank}'s samples of the step: {samples} of "
+            f"{self.cfg.data.train_file}.\nLower optim.lr or optim.grad_clip, or use model.dtype=bfloat16 "
+            "instead of float16."
+        )
+
     # ------------------------------------------------------------------------------------------------
     # Evaluation: loss and teacher-forced numeric metrics on data.eval_file
 
@@ -443,9 +523,11 @@ class Trainer:
             batch = self._collate(self.eval_data, ids or mine[:1] or [0])
             if not ids:
                 batch.tensors["labels"].fill_(IGNORE_INDEX)
-            out = self._loss(batch, generator=self._gumbel_generator(self.state.step, b, evaluation=True))
+            logits = self._logits(batch)  # one forward serves the loss and the predictions
+            generator = self._gumbel_generator(self.state.step, b, evaluation=True)
+            out = self._loss_of_logits(logits, batch, generator)
             labels = shift_labels(batch.tensors["labels"]).to(self.device)
-            predicted = self._argmax_over_vocab(batch)
+            predicted = self._argmax_over_vocab(logits)
             labelled = labels != IGNORE_INDEX
             is_digit = torch.isin(labels, digit_ids)
             correct = predicted == labels
@@ -480,8 +562,7 @@ class Trainer:
             **by_place,
         }
 
-    def _argmax_over_vocab(self, batch: MicroBatch) -> torch.Tensor:
-        logits = self.engine.forward(**self._model_inputs(batch), use_cache=False).logits
+    def _argmax_over_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         values, index = logits.max(dim=-1)
         shard = self.vocab_shard
         if shard is None:
@@ -498,16 +579,19 @@ class Trainer:
     # ------------------------------------------------------------------------------------------------
     # Data
 
-    def _micro_batches(self) -> Iterator[MicroBatch]:
-        """This rank's micro-batches, forever (epoch after epoch), from the sampler's current position."""
-        mbs = self.cfg.train.micro_batch_size
-        while True:
-            ids: list[int] = []
-            for index in self.sampler:
-                ids.append(index)
-                if len(ids) == mbs:
-                    yield self._collate(self.train_data, ids)
-                    ids = []
+    def _step_batches(self) -> Iterator[list[MicroBatch]]:
+        """This rank's micro-batches of each step, forever, from the sampler's current position, prepared by
+        data.num_workers processes ahead of training (ntil_ds/data/steps.py; fit advances the sampler)."""
+        steps = StepBatches(
+            self.train_data,
+            self.sampler,
+            self.train_collator,
+            samples_per_rank=self.cfg.train.global_batch_size // self.dist.dp_size,
+            micro_batch_size=self.cfg.train.micro_batch_size,
+            max_tokens=self.cfg.data.max_tokens_per_micro_batch,
+        )
+        for step in step_loader(steps, self.cfg.data.num_workers, pin_memory=self.device.type == "cuda"):
+            yield [MicroBatch(sample_ids=ids, tensors=tensors) for ids, tensors in step]
 
     def _collate(self, dataset: ConversationDataset, ids: list[int]) -> MicroBatch:
         return MicroBatch(sample_ids=list(ids), tensors=self.collator([dataset[i] for i in ids]))
@@ -519,7 +603,7 @@ class Trainer:
         self.state.sampler = self.sampler.state_dict()
         # A tracking server that was down at start gets the run created later: save the id once known.
         self.state.tracker_run_id = self.tracker.run_id or self.state.tracker_run_id
-        save_checkpoint(self.engine, self.output_dir, self.state, self.dist, self.cfg.train.keep_last)
+        save_checkpoint(self.engine, self.cfg, self.state, self.dist, self.cfg.train.keep_last)
 
     def _all_reduce_sum(self, values: list[float] | torch.Tensor) -> list[float]:
         """Sum over all ranks (a sync point); returns host floats."""

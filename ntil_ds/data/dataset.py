@@ -100,6 +100,10 @@ class ConversationDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self._encoded)
 
+    def num_tokens(self, index: int) -> int:
+        """Tokens of sample `index` (image placeholders expanded), known without processing it."""
+        return len(self._encoded[index].input_ids)
+
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         encoded = self._encoded[index]
         labels = torch.from_numpy(encoded.labels)

@@ -62,6 +62,8 @@ def encode(processor, conversation: Conversation, max_seq_len: int) -> EncodedCo
             f"has {len(conversation.images)} image(s) but the model's processor is a text-only tokenizer",
         )
     text, label_spans = _text_and_label_spans(processor, conversation)
+    if conversation.images and not expands_to_image_tokens_only(processor):
+        return _encode_expanded(processor, conversation, text, label_spans, max_seq_len)
     tokenizer = tokenizer_of(processor)
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = np.asarray(encoded["input_ids"], dtype=np.int64)
@@ -91,7 +93,91 @@ def encode(processor, conversation: Conversation, max_seq_len: int) -> EncodedCo
     labels = np.where(turn > 0, input_ids, IGNORE_INDEX)
     if len(input_ids) <= max_seq_len:
         return EncodedConversation(text, input_ids, labels, truncated=False)
-    return _truncate(processor, conversation, text, input_ids, labels, turn, max_seq_len)
+    in_image = is_multimodal(processor) & (input_ids == getattr(processor, "image_token_id", -1))
+    return _truncate(conversation, text, input_ids, labels, turn, in_image, max_seq_len)
+
+
+def expands_to_image_tokens_only(processor) -> bool:
+    """True when the processor replaces each image placeholder by N copies of one token (Qwen-VL, LLaVA);
+    False when the expansion has other text around them (Gemma 3: "\\n\\n<start_of_image>" + N soft tokens +
+    "<end_of_image>\\n\\n"; SmolVLM/InternVL: start/end markers). Measured once on a blank image."""
+    cached = getattr(processor, "_ntil_pure_image_expansion", None)
+    if cached is None:
+        replacement = image_replacement(processor, (28, 28))
+        cached = replacement.replace(processor.image_token, "") == "" and replacement != ""
+        processor._ntil_pure_image_expansion = cached
+    return cached
+
+
+def image_replacement(processor, size: tuple[int, int]) -> str:
+    """The text the processor puts in place of one image placeholder, for an image of `size` (h, w).
+
+    The expansion depends on the image size only (crops, tiles), so a blank image of that size gives it;
+    one per distinct size is computed and kept on the processor."""
+    cache = processor.__dict__.setdefault("_ntil_image_replacements", {})
+    if size not in cache:
+        out = processor(
+            text=[processor.image_token],
+            images=[Image.new("RGB", (size[1], size[0]), (0, 0, 0))],
+            return_text_replacement_offsets=True,
+            add_special_tokens=False,
+        )
+        (replacement,) = [r["replacement"] for r in out["text_replacement_offsets"][0] if r["type"] == "image"]
+        cache[size] = replacement
+    return cache[size]
+
+
+def _encode_expanded(processor, conversation, text, label_spans, max_seq_len) -> EncodedConversation:
+    """Families whose image expansion has text around the image tokens: expand the placeholders in the
+    text exactly as the processor does (same strings, same order), then tokenize the expanded text once,
+    so the ids equal the processor's even where the inserted text merges with its neighbours."""
+    placeholder = processor.image_token
+    starts = []
+    at = text.find(placeholder)
+    while at >= 0:
+        starts.append(at)
+        at = text.find(placeholder, at + len(placeholder))
+    if len(starts) != len(conversation.images):
+        raise BadSample(
+            conversation.source,
+            "image_marker_mismatch",
+            f"the text has {len(starts)} image placeholder(s) ({placeholder!r}) but the line "
+            f"has {len(conversation.images)} image(s); remove literal placeholders from the text",
+        )
+    if any(s < end and start < s + len(placeholder) for s in starts for start, end in label_spans):
+        raise BadSample(conversation.source, "bad_schema", "an image placeholder falls inside an answer")
+    pieces, image_spans, shift, last = [], [], 0, 0
+    for start, replacement in zip(starts, _replacements(processor, conversation), strict=True):
+        pieces += [text[last:start], replacement]
+        image_spans.append((start + shift, start + shift + len(replacement)))
+        shift += len(replacement) - len(placeholder)
+        last = start + len(placeholder)
+    expanded = "".join([*pieces, text[last:]])
+
+    replacements = _replacements(processor, conversation)
+    deltas = [(s, len(r) - len(placeholder)) for s, r in zip(starts, replacements, strict=True)]
+
+    def moved(position: int) -> int:  # a position of `text` in `expanded`
+        return position + sum(delta for s, delta in deltas if s < position)
+
+    tokenizer = tokenizer_of(processor)
+    encoded = tokenizer(expanded, add_special_tokens=False, return_offsets_mapping=True)
+    input_ids = np.asarray(encoded["input_ids"], dtype=np.int64)
+    offsets = np.asarray(encoded["offset_mapping"], dtype=np.int64).reshape(-1, 2)
+    turn = np.zeros(len(input_ids), dtype=np.int64)
+    for k, (start, end) in enumerate(label_spans):
+        turn[(offsets[:, 0] < moved(end)) & (offsets[:, 1] > moved(start))] = k + 1
+    in_image = np.zeros(len(input_ids), dtype=bool)
+    for start, end in image_spans:
+        in_image |= (offsets[:, 0] < end) & (offsets[:, 1] > start)
+    labels = np.where(turn > 0, input_ids, IGNORE_INDEX)
+    if len(input_ids) <= max_seq_len:
+        return EncodedConversation(text, input_ids, labels, truncated=False)
+    return _truncate(conversation, text, input_ids, labels, turn, in_image, max_seq_len)
+
+
+def _replacements(processor, conversation) -> list[str]:
+    return [image_replacement(processor, tuple(size)) for size in conversation.image_sizes]
 
 
 def image_token_counts(processor, conversation: Conversation) -> list[int]:
@@ -163,10 +249,11 @@ def _insert_eos(processor, text: str, spans, insert_at: list[int]) -> tuple[str,
     return text, shifted
 
 
-def _truncate(processor, conversation, text, input_ids, labels, turn, max_seq_len) -> EncodedConversation:
-    """Cut to `max_seq_len`, never through an image and never keeping half an answer."""
+def _truncate(conversation, text, input_ids, labels, turn, in_image, max_seq_len) -> EncodedConversation:
+    """Cut to `max_seq_len`, never through an image and never keeping half an answer (`in_image`: the
+    tokens that belong to an image's expansion)."""
     length = len(input_ids)
-    if is_multimodal(processor) and (input_ids[max_seq_len:] == processor.image_token_id).any():
+    if in_image[max_seq_len:].any():
         raise BadSample(
             conversation.source,
             "too_long",

@@ -6,9 +6,9 @@ consecutive positions the ranks get different samples, every epoch covers every 
 all ranks, and no sample is dropped or repeated at an epoch's end whatever the dataset size. Ranks of one
 tensor-parallel group pass the same `dp_rank` and so get identical samples (DeepSpeed's AutoTP requires it).
 
-Resuming: the position advances when an index is yielded, so iterate the sampler in the training process
-(as the trainer does: pull exactly the indices a step uses). A prefetching DataLoader would pull indices
-ahead of training; there, call `load_state_dict` with the position the trainer actually reached.
+Resuming: the position advances when an index is yielded (or by `skip`). The trainer's data-loader
+workers read future indices with `indices_at` (which moves nothing) and the trainer `skip`s past each
+step it trained, so the position never counts prefetched samples.
 `state_dict()` holds the number of samples consumed over all data-parallel ranks together; after
 `load_state_dict`, the next yielded index is the first sample not yet seen, also on a different number
 of data-parallel ranks when that count divides by it.
@@ -56,6 +56,21 @@ class ResumableDistributedSampler:
             index = int(self._epoch_order(epoch)[offset])
             self.consumed_per_rank += 1
             yield index
+
+    def skip(self, count: int) -> None:
+        """Advance past `count` samples of this rank (those a step trained on, prepared elsewhere)."""
+        self.consumed_per_rank += count
+
+    def indices_at(self, consumed_samples: int, count: int, dp_rank: int | None = None) -> list[int]:
+        """The `count` indices `dp_rank` (default: this rank) takes from stream position `consumed_samples`
+        on, without moving this sampler: what iterating from that position would yield. Lets a data-loader
+        worker prepare a future step (and see the other ranks' samples of it) while training runs."""
+        rank = self.dp_rank if dp_rank is None else dp_rank
+        out = []
+        for j in range(count):
+            epoch, offset = divmod(consumed_samples + j * self.dp_size + rank, self.num_samples)
+            out.append(int(self._epoch_order(epoch)[offset]))
+        return out
 
     def _epoch_order(self, epoch: int) -> np.ndarray:
         if self.shuffle and epoch != self._order_epoch:

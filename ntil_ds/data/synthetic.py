@@ -5,6 +5,14 @@
 - `chart`: a bar chart with lettered bars on a 0-100 grid -> the integer value of the named bar.
 - `arithmetic`: text-only multi-digit +, -, x problems -> the number.
 
+Each task has a `standard` difficulty (the above) and an `easy` one, small enough for a tiny model
+trained for minutes on a CPU to learn (the small recipes in configs/train/ and `make demo` use them):
+
+- `clock` easy: one large plain dial (56 px, 2x2 patches per quadrant of a Qwen-VL model), thick black
+  hands of clearly different lengths, 12 ticks, times on the quarter hour (48 answers);
+- `arithmetic` easy: a + b with a, b in 0..99 (answers 0..198, 3 digits at most);
+- `boxes` easy: one or two large shapes; `chart` easy: 3 bars with values on multiples of 10.
+
 Every sample is drawn from its own random generator seeded by (task, seed, index), so a dataset is the
 same bytes on every run, and no two samples share their parameters (identical image and question),
 so the train, val and test splits never overlap.
@@ -24,6 +32,7 @@ from PIL import Image, ImageDraw, ImageFont
 from tqdm import tqdm
 
 TASKS = ("clock", "boxes", "chart", "arithmetic")
+DIFFICULTIES = ("standard", "easy")
 SPLITS = {"train": 0.8, "val": 0.1, "test": 0.1}
 
 COLOURS = {
@@ -79,6 +88,30 @@ def make_clock(rng: random.Random) -> Sample:
     return Sample("What time does the clock show? Answer as HH:MM.", f"{hour:02d}:{minute:02d}", image, key)
 
 
+EASY_CLOCK_SIZE = 56  # a multiple of 28: the tiny Qwen-VL processor keeps it (4x4 patches, 4 image tokens)
+
+
+def make_clock_easy(rng: random.Random) -> Sample:
+    """A clock a tiny vision tower can read: fixed size, 12 ticks, quarter hours, thick dark hands; only
+    the shades of face, rim and hands vary (so samples stay distinct)."""
+    size = EASY_CLOCK_SIZE
+    hour, minute = rng.randint(1, 12), rng.choice((0, 15, 30, 45))
+    face = tuple(rng.randint(225, 255) for _ in range(3))
+    rim = tuple(rng.randint(0, 60) for _ in range(3))
+    hand = tuple(rng.randint(0, 40) for _ in range(3))
+    image = Image.new("RGB", (size, size), face)
+    draw = ImageDraw.Draw(image)
+    c, r = size / 2, size / 2 - 1
+    draw.ellipse([c - r, c - r, c + r, c + r], fill=face, outline=rim, width=2)
+    for k in range(12):
+        draw.line(_polar(c, math.radians(k * 30), r * 0.8, r), fill=rim, width=2)
+    hour_angle = math.radians((hour % 12 + minute / 60) * 30)
+    draw.line(_polar(c, hour_angle, 0, r * 0.5), fill=hand, width=5)
+    draw.line(_polar(c, math.radians(minute * 6), 0, r * 0.9), fill=hand, width=3)
+    key = ("easy", hour, minute, face, rim, hand)
+    return Sample("What time does the clock show? Answer as HH:MM.", f"{hour:02d}:{minute:02d}", image, key)
+
+
 def _polar(center: float, angle: float, r0: float, r1: float) -> list[tuple[float, float]]:
     """A radial segment at `angle` (clockwise from 12 o'clock) from radius r0 to r1."""
     dx, dy = math.sin(angle), -math.cos(angle)
@@ -92,15 +125,15 @@ BOXES_CANVAS = 112  # a multiple of 28: Qwen-VL keeps the size, so pixel answers
 SHAPES = ("square", "circle", "triangle")
 
 
-def make_boxes(rng: random.Random) -> Sample:
+def make_boxes(rng: random.Random, max_shapes: int = 4, min_side: int = 12) -> Sample:
     background = tuple(rng.randint(200, 255) for _ in range(3))
     image = Image.new("RGB", (BOXES_CANVAS, BOXES_CANVAS), background)
     draw = ImageDraw.Draw(image)
-    kinds = rng.sample([(c, s) for c in COLOURS for s in SHAPES], rng.randint(2, 4))
+    kinds = rng.sample([(c, s) for c in COLOURS for s in SHAPES], rng.randint(min(2, max_shapes), max_shapes))
     boxes: list[tuple[int, int, int, int]] = []
     for colour, shape in kinds:
         for _ in range(100):  # place without overlap (with a 2 px gap)
-            side = rng.randint(12, 36)
+            side = rng.randint(min_side, 36)
             x1, y1 = rng.randint(0, BOXES_CANVAS - side), rng.randint(0, BOXES_CANVAS - side)
             box = (x1, y1, x1 + side - 1, y1 + side - 1)
             if not any(_overlap(box, other, gap=2) for other in boxes):
@@ -142,10 +175,10 @@ def _default_font() -> ImageFont.ImageFont | ImageFont.FreeTypeFont:
     return ImageFont.load_default()  # Pillow's built-in font: same glyphs everywhere, no font files
 
 
-def make_chart(rng: random.Random) -> Sample:
+def make_chart(rng: random.Random, n_bars: int | None = None, step: int = 1) -> Sample:
     width, height = CHART_SIZE
-    n_bars = rng.randint(3, 6)
-    values = [rng.randint(0, 100) for _ in range(n_bars)]
+    n_bars = n_bars or rng.randint(3, 6)
+    values = [rng.randrange(0, 101, step) for _ in range(n_bars)]
     labels = "ABCDEF"[:n_bars]
     image = Image.new("RGB", (width, height), (255, 255, 255))
     draw = ImageDraw.Draw(image)
@@ -187,11 +220,22 @@ def make_arithmetic(rng: random.Random) -> Sample:
     return Sample(f"What is {a} {symbol} {b}? Answer with the number.", str(result), None, (a, op, b))
 
 
+def make_arithmetic_easy(rng: random.Random) -> Sample:
+    a, b = rng.randint(0, 99), rng.randint(0, 99)
+    return Sample(f"What is {a} + {b}? Answer with the number.", str(a + b), None, ("easy", a, b))
+
+
 MAKERS: dict[str, Callable[[random.Random], Sample]] = {
     "clock": make_clock,
     "boxes": make_boxes,
     "chart": make_chart,
     "arithmetic": make_arithmetic,
+}
+EASY_MAKERS: dict[str, Callable[[random.Random], Sample]] = {
+    "clock": make_clock_easy,
+    "boxes": lambda rng: make_boxes(rng, max_shapes=2, min_side=24),
+    "chart": lambda rng: make_chart(rng, n_bars=3, step=10),
+    "arithmetic": make_arithmetic_easy,
 }
 
 
@@ -199,16 +243,20 @@ MAKERS: dict[str, Callable[[random.Random], Sample]] = {
 # writing a dataset
 
 
-def generate(task: str, n: int, seed: int) -> list[Sample]:
-    """`n` distinct samples of `task`, the same for the same (task, n, seed)."""
+def generate(task: str, n: int, seed: int, difficulty: str = "standard") -> list[Sample]:
+    """`n` distinct samples of `task`, the same for the same (task, n, seed, difficulty)."""
     if task not in MAKERS:
         raise ValueError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
-    make = MAKERS[task]
+    if difficulty not in DIFFICULTIES:
+        raise ValueError(f"unknown difficulty {difficulty!r}; choose one of {', '.join(DIFFICULTIES)}")
+    make = MAKERS[task] if difficulty == "standard" else EASY_MAKERS[task]
+    # The standard streams keep their seeds (same bytes as before difficulties existed).
+    stream = task if difficulty == "standard" else f"{task}-{difficulty}"
     seen: set[tuple] = set()
     samples = []
-    for index in tqdm(range(n), desc=f"drawing {task}", unit="sample"):
+    for index in tqdm(range(n), desc=f"drawing {task} ({difficulty})", unit="sample"):
         for attempt in range(1000):  # redraw a sample that repeats an earlier one
-            sample = make(random.Random(f"{task}:{seed}:{index}:{attempt}"))
+            sample = make(random.Random(f"{stream}:{seed}:{index}:{attempt}"))
             if sample.key not in seen:
                 break
         else:
@@ -227,10 +275,12 @@ def split_sizes(n: int) -> dict[str, int]:
     return {"train": n - val - test, "val": val, "test": test}
 
 
-def write_dataset(task: str, n: int, out_dir: str | Path, seed: int = 0) -> dict[str, Path]:
+def write_dataset(
+    task: str, n: int, out_dir: str | Path, seed: int = 0, difficulty: str = "standard"
+) -> dict[str, Path]:
     """Write `out_dir/{train,val,test}.jsonl` (+ `images/<split>/*.png`); return the JSONL paths."""
     out = Path(out_dir)
-    samples = generate(task, n, seed)
+    samples = generate(task, n, seed, difficulty)
     paths, start = {}, 0
     for split, size in split_sizes(n).items():
         rows = []
@@ -248,5 +298,6 @@ def write_dataset(task: str, n: int, out_dir: str | Path, seed: int = 0) -> dict
         paths[split] = out / f"{split}.jsonl"
         paths[split].write_text("".join(row + "\n" for row in rows))
         start += size
-    (out / "meta.json").write_text(json.dumps({"task": task, "n": n, "seed": seed, **split_sizes(n)}) + "\n")
+    meta = {"task": task, "n": n, "seed": seed, "difficulty": difficulty, **split_sizes(n)}
+    (out / "meta.json").write_text(json.dumps(meta) + "\n")
     return paths

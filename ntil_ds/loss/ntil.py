@@ -9,7 +9,7 @@ The loss runs in two stages:
    vocabulary-parallel group, so the sharded and the unsharded loss share this code exactly.
 
 Paper mode (the defaults) reproduces the authors' released implementation (xfey/NTIL `ntil.py`),
-which is the reference of `shared/golden/ntil_reference_cases.json`.
+which computed the golden cases in `tests/unit/loss_golden/ntil_reference_cases.json`.
 """
 
 from __future__ import annotations
@@ -17,12 +17,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 
 from ntil_ds.loss.numbers import NumberLayout, analyse_numbers
-from ntil_ds.loss.vocab_stats import compute_dtype, position_stats
+from ntil_ds.loss.vocab_stats import check_kernel_choice, compute_dtype, position_stats
 
 # Added to NTIL in the rescaling factor CE / (NTIL + eps), as in the reference.
 _RESCALE_EPS = 1e-10
@@ -100,6 +101,15 @@ class NTILLoss:
 
     Labels outside the vocabulary (neither `ignore_index` nor a valid id) give a NaN loss instead
     of an error, because detecting them would need a host sync.
+
+    Implementation choices (same numbers within float rounding, see docs/loss.md):
+
+    - `kernel`: the vocabulary stage. "auto" runs the fused Triton kernels on CUDA logits in
+      fp32/bf16/fp16 when triton imports and the torch tiles otherwise; "torch" always the torch
+      tiles; "triton" always the kernels (an error without Triton; CPU tensors only under Triton's
+      interpreter, TRITON_INTERPRET=1).
+    - `number_stage`: "eager" runs stage 2 as written; "compile" runs it through
+      `torch.compile(dynamic=True)` (compiled at the first call, once per instance).
     """
 
     def __init__(
@@ -118,6 +128,8 @@ class NTILLoss:
         decimal_point_id: int | None = None,
         minus_sign_id: int | None = None,
         max_number_digits: int = 18,
+        kernel: Literal["auto", "torch", "triton"] = "auto",
+        number_stage: Literal["eager", "compile"] = "eager",
     ) -> None:
         ids = list(digit_token_ids)
         if len(ids) != 10 or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
@@ -146,6 +158,9 @@ class NTILLoss:
         for name, value in [("decimal_point_id", decimal_point_id), ("minus_sign_id", minus_sign_id)]:
             if value is not None and (value < 0 or value in ids):
                 raise ValueError(f"{name}={value} must be a non-negative id that is not a digit token.")
+        check_kernel_choice(kernel)
+        if number_stage not in ("eager", "compile"):
+            raise ValueError(f"number_stage={number_stage!r}: expected one of 'eager', 'compile'.")
 
         self.digit_token_ids = ids
         self.ntil_lambda = float(ntil_lambda)
@@ -159,16 +174,19 @@ class NTILLoss:
         self.decimal_point_id = decimal_point_id if decimal_numbers else None
         self.minus_sign_id = minus_sign_id if signed_numbers else None
         self.max_number_digits = int(max_number_digits)
+        self.kernel = kernel
+        self.number_stage = number_stage
         # Columns gathered per position: the ten digits, then the minus sign in signed mode.
         self._column_ids = ids + ([minus_sign_id] if self.minus_sign_id is not None else [])
         self._constants: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._compiled_number_stage = None
 
     def __repr__(self) -> str:
         return (
             f"NTILLoss(ntil_lambda={self.ntil_lambda}, digit_alpha={self.digit_alpha}, abs_alpha={self.abs_alpha}, "
             f"mag_alpha={self.mag_alpha}, digit_exp={self.digit_exp}, gumbel_tau={self.gumbel_tau}, "
             f"gumbel_noise_scale={self.gumbel_noise_scale}, decimal={self.decimal_point_id is not None}, "
-            f"signed={self.minus_sign_id is not None})"
+            f"signed={self.minus_sign_id is not None}, kernel={self.kernel!r}, number_stage={self.number_stage!r})"
         )
 
     @property
@@ -222,8 +240,14 @@ class NTILLoss:
         process_group: dist.ProcessGroup | None = None,
         vocab_start: int = 0,
         generator: torch.Generator | None = None,
+        unpack_index: torch.Tensor | None = None,
     ) -> NTILOutput:
-        """Loss of one micro-batch. See the class docstring; no host sync, any B and T."""
+        """Loss of one micro-batch. See the class docstring; no host sync, any B and T.
+
+        `unpack_index [S, L]` (packed rows, see `ntil_ds.data.packing`): the flat position of each of S
+        samples' tokens, -1 past a sample's end. The number terms then see one sequence per sample (their
+        means are per sample, as unpacked); the cross-entropy does not depend on the layout.
+        """
         self._check_inputs(logits, labels, process_group, vocab_start)
         batch, length, local_vocab = logits.shape
         num_positions = batch * length
@@ -247,33 +271,33 @@ class NTILLoss:
             vocab_start=vocab_start,
             process_group=process_group,
             payload=noise,
+            kernel=self.kernel,
         )
 
         num_tokens = labelled.sum()
         ce_sum = ce.sum()
         ce_mean = ce_sum / num_tokens.clamp(min=1)
 
-        layout = analyse_numbers(
-            labels,
-            digit_ids,
-            ignore_index=self.ignore_index,
-            decimal_point_id=self.decimal_point_id,
-            minus_sign_id=self.minus_sign_id,
-        )
+        if unpack_index is not None:  # small [B*T, <=31] tensors regathered sample by sample
+            labels, columns, row_max, noise = _unpack(
+                unpack_index, self.ignore_index, labels, columns, row_max, noise
+            )
         predicted_minus = None
         if self.minus_sign_id is not None:
             predicted_minus = columns[:, 10].detach() >= row_max
         digit_logits = columns[:, :10]
         rel_noise, mag_noise = (None, None) if noise is None else (noise[:, :10], noise[:, 10:])
 
+        number_stage = self._number_stage_for()
         if self.ntil_lambda > 0:
-            emd, rel, mag = self._number_terms(
-                layout, digit_logits, place_values, rel_noise, mag_noise, predicted_minus
+            emd, rel, mag = number_stage(
+                labels, digit_ids, digit_logits, place_values, rel_noise, mag_noise, predicted_minus
             )
         else:
             with torch.no_grad():
-                emd, rel, mag = self._number_terms(
-                    layout, digit_logits.detach(), place_values, rel_noise, mag_noise, predicted_minus
+                detached = digit_logits.detach()
+                emd, rel, mag = number_stage(
+                    labels, digit_ids, detached, place_values, rel_noise, mag_noise, predicted_minus
                 )
         ntil_per_sequence = self.digit_alpha * emd + self.abs_alpha * rel + self.mag_alpha * mag
         ntil = ntil_per_sequence.mean()
@@ -294,6 +318,35 @@ class NTILLoss:
             num_tokens=num_tokens,
             loss_sum=loss * num_tokens,
         )
+
+    def _number_stage_for(self):
+        """The number stage as written (eager), or compiled into a few fused kernels when
+        number_stage="compile" (CUDA with Triton: see docs/loss.md; compiled once, dynamic shapes)."""
+        if self.number_stage == "eager":
+            return self._number_stage
+        if self._compiled_number_stage is None:
+            self._compiled_number_stage = torch.compile(self._number_stage, dynamic=True)
+        return self._compiled_number_stage
+
+    def _number_stage(
+        self,
+        labels: torch.Tensor,
+        digit_ids: torch.Tensor,
+        digit_logits: torch.Tensor,
+        place_values: torch.Tensor,
+        rel_noise: torch.Tensor | None,
+        mag_noise: torch.Tensor | None,
+        predicted_minus: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Stage 2: everything after the vocabulary, on `[B, T]` labels and `[B*T, 10]` logits."""
+        layout = analyse_numbers(
+            labels,
+            digit_ids,
+            ignore_index=self.ignore_index,
+            decimal_point_id=self.decimal_point_id,
+            minus_sign_id=self.minus_sign_id,
+        )
+        return self._number_terms(layout, digit_logits, place_values, rel_noise, mag_noise, predicted_minus)
 
     def _number_terms(
         self,
@@ -381,3 +434,11 @@ class NTILLoss:
         hard = torch.zeros_like(soft).scatter_(-1, soft.argmax(dim=-1, keepdim=True), 1.0)
         straight_through = hard - soft.detach() + soft
         return straight_through @ torch.arange(10, dtype=soft.dtype, device=digit_logits.device)
+
+
+def _unpack(index: torch.Tensor, ignore: int, labels: torch.Tensor, *per_position: torch.Tensor | None):
+    """Packed per-position tensors laid out one sample per row: labels `[S, L]` (ignored past each
+    sample's end) and the `[B*T, ...]` tensors as `[S*L, ...]` (the gather passes gradients back)."""
+    flat = index.flatten().clamp(min=0)
+    unpacked = labels.flatten()[flat].view(index.shape).masked_fill(index < 0, ignore)
+    return (unpacked, *(None if t is None else t[flat] for t in per_position))

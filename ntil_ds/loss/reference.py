@@ -2,7 +2,7 @@
 
 Not for training. It is the independent reference of the tests (run it in float64) and the
 "naive" baseline of `benchmarks/loss_speed.py`. Paper mode only, Gumbel noise off, no vocabulary
-sharding: it follows NTIL_SPEC.md line by line so that a reader can check it against the paper.
+sharding: it follows docs/design/ntil_spec.md line by line so that a reader can check it against the paper.
 """
 
 from __future__ import annotations

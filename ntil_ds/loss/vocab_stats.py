@@ -18,17 +18,33 @@ same upstream gradient and computes the gradient of its own slice.
 Memory: nothing of size [N, V_local] is allocated in the forward beyond one tile; the backward
 recomputes the softmax tile by tile from the logits themselves (saved by reference, no copy) and
 writes straight into the gradient.
+
+Two implementations of the per-row work, same contract: CUDA logits (fp32/bf16/fp16) go to the fused
+Triton kernels of `vocab_kernel` when Triton imports (one launch forward, one backward); everything
+else (CPU, fp64, CUDA without Triton) runs the torch tiles below. The caller's `kernel` argument
+("auto", the default, "torch" or "triton"; `NTILLoss(kernel=...)`, `loss.kernel` in a recipe) overrides
+the choice; the collectives are the same either way.
 """
 
 from __future__ import annotations
 
+import functools
+from types import ModuleType
+
 import torch
 import torch.distributed as dist
 
-# Rows are processed in tiles of about this many elements (4 MiB in fp32): large enough that the
+# CPU: rows are processed in tiles of about this many elements (4 MiB in fp32): large enough that the
 # Python loop over tiles costs little, small enough that a tile stays in cache between the max, exp
 # and sum passes (measured best of 2**16..2**22 on [4096, 32000] logits).
 TILE_ELEMENTS = 1 << 20
+# CUDA without Triton: each tile costs ~10 launches, so tiles must be large (measured on an H200 at
+# [4, 2048, 151936] bf16: 2**20 elements gave 22,146 launches and 23x CE's time, 2**24 2.0x, 2**28
+# 1.74x). The fp32 tile and its temporaries take ~3 copies of it: 1/256 of the device's memory each.
+CUDA_TILE_ELEMENTS_RANGE = (1 << 22, 1 << 26)
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+KERNEL_CHOICES = ("auto", "torch", "triton")
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -36,9 +52,56 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _row_tiles(num_rows: int, row_width: int) -> list[tuple[int, int]]:
-    rows = max(1, TILE_ELEMENTS // max(1, row_width))
+@functools.cache
+def _cuda_tile_elements(device_index: int) -> int:
+    low, high = CUDA_TILE_ELEMENTS_RANGE
+    share = torch.cuda.get_device_properties(device_index).total_memory // (256 * 4)
+    return max(low, min(high, 1 << max(0, share.bit_length() - 1)))
+
+
+def tile_elements(device: torch.device) -> int:
+    """Elements per row tile of the torch path on this device."""
+    if device.type == "cuda":
+        return _cuda_tile_elements(device.index if device.index is not None else torch.cuda.current_device())
+    return TILE_ELEMENTS
+
+
+def _row_tiles(num_rows: int, row_width: int, device: torch.device) -> list[tuple[int, int]]:
+    rows = max(1, tile_elements(device) // max(1, row_width))
     return [(start, min(start + rows, num_rows)) for start in range(0, num_rows, rows)]
+
+
+@functools.cache
+def _import_kernel() -> ModuleType | None:
+    try:
+        from ntil_ds.loss import vocab_kernel
+    except ImportError:  # no Triton (it is an extra): the torch path
+        return None
+    return vocab_kernel
+
+
+def check_kernel_choice(kernel: str) -> None:
+    if kernel not in KERNEL_CHOICES:
+        raise ValueError(
+            f"kernel={kernel!r}: expected one of {', '.join(map(repr, KERNEL_CHOICES))} (auto: the Triton "
+            "kernels for CUDA logits when triton imports, else the torch path)."
+        )
+
+
+def kernel_wanted(logits: torch.Tensor, kernel: str = "auto") -> ModuleType | None:
+    """The Triton kernel module when it should run on these logits, else None (the torch path).
+    `kernel`: "auto", "torch" (always the torch path) or "triton" (the kernels; an error without Triton)."""
+    check_kernel_choice(kernel)
+    # fp64 (gradcheck) always takes the torch path: the kernels compute in fp32.
+    if kernel == "torch" or logits.dtype not in _KERNEL_DTYPES or (kernel == "auto" and not logits.is_cuda):
+        return None
+    module = _import_kernel()
+    if module is None and kernel == "triton":
+        raise RuntimeError(
+            "kernel='triton' but triton does not import: pip install 'ntil-ds[kernels]' "
+            "(CUDA builds of torch bring it), or choose kernel='auto' or 'torch' (loss.kernel in a recipe)."
+        )
+    return module
 
 
 class _PositionStats(torch.autograd.Function):
@@ -53,13 +116,20 @@ class _PositionStats(torch.autograd.Function):
         vocab_start: int,
         process_group: dist.ProcessGroup | None,
         payload: torch.Tensor | None,
+        kernel_choice: str,
     ):
+        kernel = kernel_wanted(logits, kernel_choice)
+        ctx.kernel = kernel
+        if kernel is not None:
+            return _kernel_forward(
+                ctx, kernel, logits, targets, column_ids, vocab_start, process_group, payload
+            )
         num_rows, local_vocab = logits.shape
         device = logits.device
         dtype = compute_dtype(logits.dtype)
         local_max = torch.empty(num_rows, dtype=dtype, device=device)
         local_sum_exp = torch.empty(num_rows, dtype=dtype, device=device)
-        for start, stop in _row_tiles(num_rows, local_vocab):
+        for start, stop in _row_tiles(num_rows, local_vocab, device):
             tile = logits[start:stop].to(dtype)
             tile_max = tile.amax(dim=-1)
             local_max[start:stop] = tile_max
@@ -93,15 +163,7 @@ class _PositionStats(torch.autograd.Function):
         packed = torch.cat(parts, dim=1)
         if process_group is not None:
             dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=process_group)
-        sum_exp, target_logit, owned_anywhere = packed[:, 0], packed[:, 1], packed[:, 2]
-        columns = packed[:, 3 : 3 + num_columns].contiguous()
-        payload_out = packed[:, 3 + num_columns :].contiguous() if payload is not None else None
-
-        log_sum_exp = row_max + sum_exp.log()
-        # A valid label owned by no rank is outside the vocabulary; owned by several, the shards
-        # overlap (wrong vocab_start). NaN makes either visible: raising would need a host sync.
-        ce = torch.where(valid, log_sum_exp - target_logit, 0.0)
-        ce = torch.where(valid & ((owned_anywhere - 1.0).abs() > 0.5), float("nan"), ce)
+        ce, columns, log_sum_exp, payload_out = _finish_rows(packed, row_max, valid, num_columns, payload)
 
         ctx.save_for_backward(logits, log_sum_exp, local_target, owned, valid, local_columns, column_is_local)
         if payload_out is not None:
@@ -113,8 +175,15 @@ class _PositionStats(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_ce, grad_columns, _grad_row_max, _grad_payload):
+        if ctx.kernel is not None:
+            logits, log_sum_exp, targets, column_ids = ctx.saved_tensors
+            grad_logits = ctx.kernel.backward(
+                logits, targets, log_sum_exp, column_ids, ctx.vocab_start, grad_ce, grad_columns
+            )
+            return grad_logits, None, None, None, None, None, None
         logits, log_sum_exp, local_target, owned, valid, local_columns, column_is_local = ctx.saved_tensors
         num_rows, local_vocab = logits.shape
+        device = logits.device
         # Unlabelled rows have a constant CE of 0: whatever flows into them stops here.
         dtype = log_sum_exp.dtype
         grad_ce = grad_ce.to(dtype) * valid if grad_ce is not None else torch.zeros_like(log_sum_exp)
@@ -123,7 +192,7 @@ class _PositionStats(torch.autograd.Function):
         target_grad = -(grad_ce * owned)
         if grad_columns is not None:  # columns of other shards add 0 at their clamped index
             grad_columns = torch.where(column_is_local, grad_columns.to(dtype), 0.0)
-        for start, stop in _row_tiles(num_rows, local_vocab):
+        for start, stop in _row_tiles(num_rows, local_vocab, device):
             # softmax * dCE, computed in fp32, straight into the gradient when it is fp32.
             out = grad_logits[start:stop] if same_dtype else None
             tile = torch.sub(logits[start:stop].to(dtype), log_sum_exp[start:stop, None], out=out)
@@ -133,7 +202,57 @@ class _PositionStats(torch.autograd.Function):
                 tile.index_add_(1, local_columns, grad_columns[start:stop])
             if not same_dtype:
                 grad_logits[start:stop].copy_(tile)
-        return grad_logits, None, None, None, None, None
+        return grad_logits, None, None, None, None, None, None
+
+
+def _finish_rows(
+    packed: torch.Tensor, row_max: torch.Tensor, valid: torch.Tensor, num_columns: int, payload
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """ce, columns, log-sum-exp and payload from the reduced SUM buffer (both implementations)."""
+    sum_exp, target_logit, owned_anywhere = packed[:, 0], packed[:, 1], packed[:, 2]
+    columns = packed[:, 3 : 3 + num_columns].contiguous()
+    payload_out = packed[:, 3 + num_columns :].contiguous() if payload is not None else None
+
+    log_sum_exp = row_max + sum_exp.log()
+    # A valid label owned by no rank is outside the vocabulary; owned by several, the shards
+    # overlap (wrong vocab_start). NaN makes either visible: raising would need a host sync.
+    ce = torch.where(valid, log_sum_exp - target_logit, 0.0)
+    ce = torch.where(valid & ((owned_anywhere - 1.0).abs() > 0.5), float("nan"), ce)
+    return ce, columns, log_sum_exp, payload_out
+
+
+def _kernel_forward(ctx, kernel, logits, targets, column_ids, vocab_start, process_group, payload):
+    """`_PositionStats.forward` on the Triton kernels: the same outputs, collectives and NaN rules."""
+    num_rows = logits.shape[0]
+    if logits.stride(1) != 1:  # the kernels walk rows with unit stride
+        logits = logits.contiguous()
+    targets = targets.contiguous()
+    column_ids = column_ids.contiguous()
+    num_columns = column_ids.numel()
+    if payload is not None:
+        payload = payload.reshape(num_rows, -1)
+    if process_group is None:
+        ce, columns, row_max, log_sum_exp = kernel.forward_full(logits, targets, column_ids)
+        payload_out = None if payload is None else payload.to(torch.float32, copy=True)
+    else:
+        width = 3 + num_columns + (payload.shape[1] if payload is not None else 0)
+        local_max, packed = kernel.forward_partials(logits, targets, column_ids, vocab_start, width)
+        row_max = local_max.clone()
+        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=process_group)
+        packed[:, 0] *= torch.exp(local_max - row_max)
+        if payload is not None:
+            packed[:, 3 + num_columns :] = payload
+        dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=process_group)
+        ce, columns, log_sum_exp, payload_out = _finish_rows(
+            packed, row_max, targets >= 0, num_columns, payload
+        )
+    ctx.vocab_start = vocab_start
+    ctx.save_for_backward(logits, log_sum_exp, targets, column_ids)
+    if payload_out is not None:
+        ctx.mark_non_differentiable(row_max, payload_out)
+    else:
+        ctx.mark_non_differentiable(row_max)
+    return ce, columns, row_max, payload_out
 
 
 def position_stats(
@@ -144,6 +263,7 @@ def position_stats(
     vocab_start: int = 0,
     process_group: dist.ProcessGroup | None = None,
     payload: torch.Tensor | None = None,
+    kernel: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Per-position cross-entropy and column logits over a (possibly sharded) vocabulary.
 
@@ -156,6 +276,8 @@ def position_stats(
         process_group: the vocabulary-parallel group, or None for the full vocabulary.
         payload: optional `[N, P]` numbers that the group's first rank sends to all ranks (only
             that rank's values are used; others may pass anything of the same shape).
+        kernel: "auto" (the Triton kernels for CUDA logits in fp32/bf16/fp16 when triton imports, else
+            the torch tiles), "torch" or "triton" (see `kernel_wanted`).
 
     Returns:
         ce `[N]` in `compute_dtype` (0 where unlabelled, NaN where the label is outside the
@@ -164,4 +286,4 @@ def position_stats(
     """
     if payload is not None and process_group is not None and dist.get_rank(process_group) != 0:
         payload = torch.zeros_like(payload)
-    return _PositionStats.apply(logits, targets, column_ids, vocab_start, process_group, payload)
+    return _PositionStats.apply(logits, targets, column_ids, vocab_start, process_group, payload, kernel)

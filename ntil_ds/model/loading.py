@@ -18,7 +18,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from ntil_ds.config import ConfigError, ModelConfig
+from ntil_ds.config import ConfigError, LoraConfig, ModelConfig
+from ntil_ds.model.kernels import apply_kernels, require_kernels
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +49,11 @@ class LoadedModel:
     zero3_config: Any = field(default=None, repr=False)
 
 
-def resolve_attn_implementation(requested: str) -> str:
-    """``auto`` -> flash_attention_2 when flash-attn is importable and CUDA is there, else sdpa."""
-    flash_ok = importlib.util.find_spec("flash_attn") is not None and torch.cuda.is_available()
+def resolve_attn_implementation(requested: str, device: torch.device | None = None) -> str:
+    """``auto`` -> flash_attention_2 when flash-attn is importable and the model trains on a CUDA device
+    (``device``; None: wherever CUDA is available), else sdpa."""
+    on_cuda = device.type == "cuda" if device is not None else torch.cuda.is_available()
+    flash_ok = importlib.util.find_spec("flash_attn") is not None and on_cuda
     if requested == "auto":
         return "flash_attention_2" if flash_ok else "sdpa"
     if requested == "flash_attention_2" and not flash_ok:
@@ -68,7 +71,12 @@ def model_kind(cfg: ModelConfig, hf_config: Any) -> Literal["mllm", "llm"]:
     return "mllm" if getattr(hf_config, "vision_config", None) is not None else "llm"
 
 
-def load_model(cfg: ModelConfig, ds_config: dict[str, Any] | None = None) -> LoadedModel:
+def load_model(
+    cfg: ModelConfig,
+    ds_config: dict[str, Any] | None = None,
+    device: torch.device | None = None,
+    lora: LoraConfig | None = None,
+) -> LoadedModel:
     """Build the model described by ``cfg`` (random weights come from torch's global RNG: seed first).
 
     ``ds_config``: the merged DeepSpeed config; with ZeRO stage 3 the parameters are partitioned over
@@ -77,18 +85,22 @@ def load_model(cfg: ModelConfig, ds_config: dict[str, Any] | None = None) -> Loa
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
     from transformers.integrations import HfDeepSpeedConfig
 
+    require_kernels(cfg.kernels)  # a missing package fails here, before minutes of model loading
     # Created before the model, kept alive in the result: this is what turns on zero.Init.
     zero3_config = HfDeepSpeedConfig(ds_config) if ds_config is not None else None
 
     hf_config = AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
     kind = model_kind(cfg, hf_config)
     auto_class = AutoModelForImageTextToText if kind == "mllm" else AutoModelForCausalLM
-    attn = resolve_attn_implementation(cfg.attn_implementation)
+    attn = resolve_attn_implementation(cfg.attn_implementation, device)
     dtype = DTYPES[cfg.dtype]
     common = {"dtype": dtype, "attn_implementation": attn, "trust_remote_code": cfg.trust_remote_code}
     if cfg.init == "random":
         model = auto_class.from_config(hf_config, **common)
     else:
+        from ntil_ds.model.lora import quantization_kwargs  # QLoRA: 4-bit base weights, else nothing
+
+        common.update(quantization_kwargs(cfg, lora, ds_config is not None, device))
         model = auto_class.from_pretrained(cfg.name_or_path, config=hf_config, **common)
     log.info(
         "model %s (%s, %s, init=%s) attention=%s",
@@ -99,13 +111,22 @@ def load_model(cfg: ModelConfig, ds_config: dict[str, Any] | None = None) -> Loa
         attn,
     )
 
+    # Fused Liger kernels when model.kernels=liger (ntil_ds/model/kernels.py).
+    apply_kernels(model, cfg.kernels)
     if cfg.gradient_checkpointing:
         # Non-reentrant: works with frozen inputs (a frozen embedding under a trained LM) and ZeRO-3.
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
-    frozen = freeze_parts(model, cfg)
+    use_lora = lora is not None and lora.enabled
+    frozen = {} if use_lora else freeze_parts(model, cfg)
     if frozen:
         log.info("frozen: %s", ", ".join(f"{part} ({n} tensors)" for part, n in frozen.items()))
+    if use_lora:
+        # ``lora``: the recipe's lora block; the model comes back wrapped in peft (ntil_ds/model/lora.py):
+        # the base frozen, adapters and lora.modules_to_save trained.
+        from ntil_ds.model.lora import apply_lora
+
+        model = apply_lora(model, cfg, lora)
     return LoadedModel(
         model=model,
         kind=kind,

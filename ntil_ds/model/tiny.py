@@ -17,7 +17,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-TINY_KINDS = ("qwen2_vl", "qwen2_5_vl", "llava", "qwen2")
+TINY_KINDS = ("qwen2_vl", "qwen2_5_vl", "llava", "qwen2", "qwen3_vl", "gemma3")
 
 # Tiny vocab: 256 bytes + special tokens + merges learned on the corpus below.
 TINY_VOCAB_SIZE = 512
@@ -32,6 +32,18 @@ QWEN_SPECIAL_TOKENS = (
     "<|video_pad|>",
 )
 LLAVA_SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>", "<image>")
+# Gemma 3's: ids 0-3 as in the real vocabulary (pad, eos, bos, unk), turn and image markers after them.
+GEMMA3_SPECIAL_TOKENS = (
+    "<pad>",
+    "<eos>",
+    "<bos>",
+    "<unk>",
+    "<start_of_turn>",
+    "<end_of_turn>",
+    "<start_of_image>",
+    "<end_of_image>",
+    "<image_soft_token>",
+)
 
 # The real Qwen2-VL / Qwen2.5-VL chat template (system prompt added when none is given).
 QWEN_VL_CHAT_TEMPLATE = (
@@ -51,6 +63,30 @@ QWEN_VL_CHAT_TEMPLATE = (
     "<|vision_start|><|video_pad|><|vision_end|>"
     "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
     "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+# Qwen3-VL-Instruct's template, without its tool-calling and thinking branches: like Qwen2-VL's but with
+# no default system prompt.
+QWEN3_VL_CHAT_TEMPLATE = QWEN_VL_CHAT_TEMPLATE.replace(
+    "{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}",
+    "",
+)
+
+# Gemma 3-it's template (system prompt folded into the first user turn, "model" as the assistant role,
+# <start_of_image> where an image goes; the processor expands it).
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}"
+    "{% if messages[0]['content'] is string %}{% set first_user_prefix = messages[0]['content'] + '\n\n' %}"
+    "{% else %}{% set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' %}{% endif %}"
+    "{% set loop_messages = messages[1:] %}{% else %}{% set first_user_prefix = '' %}"
+    "{% set loop_messages = messages %}{% endif %}"
+    "{% for message in loop_messages %}{% set role = 'model' if message['role'] == 'assistant' "
+    "else message['role'] %}<start_of_turn>{{ role }}\n{{ first_user_prefix if loop.first else '' }}"
+    "{% if message['content'] is string %}{{ message['content'] | trim }}"
+    "{% else %}{% for item in message['content'] %}{% if item['type'] == 'image' %}<start_of_image>"
+    "{% elif item['type'] == 'text' %}{{ item['text'] | trim }}{% endif %}{% endfor %}{% endif %}"
+    "<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
 )
 
 # The real Qwen2-Instruct chat template (text only: content is a string).
@@ -172,7 +208,7 @@ def _save_qwen_vl_processor(out_dir: Path, processor_class: str, tokenizer) -> N
     image_processor = _qwen_vl_image_processor()
     tokenizer.save_pretrained(out_dir)
     image_processor.save_pretrained(out_dir)
-    (out_dir / "chat_template.jinja").write_text(QWEN_VL_CHAT_TEMPLATE)
+    (out_dir / "chat_template.jinja").write_text(tokenizer.chat_template)
     (out_dir / "processor_config.json").write_text(json.dumps({"processor_class": processor_class}, indent=2))
     video_config = {
         "video_processor_type": "Qwen2VLVideoProcessor",
@@ -310,26 +346,155 @@ def _build_qwen2(out_dir: Path) -> None:
     tokenizer.save_pretrained(out_dir)
 
 
+def _build_qwen3_vl(out_dir: Path) -> None:
+    from transformers import Qwen3VLConfig
+
+    tokenizer = _qwen_tokenizer(QWEN3_VL_CHAT_TEMPLATE)
+    text = _tiny_text_config_kwargs(tokenizer)
+    # Interleaved M-RoPE; the sections sum to head_dim / 2 as in the real [24, 20, 20] for head_dim 128.
+    text["head_dim"] = 16
+    text["rope_parameters"] = {
+        "rope_type": "default",
+        "rope_theta": 5000000.0,
+        "mrope_section": [4, 2, 2],
+        "mrope_interleaved": True,
+    }
+    config = Qwen3VLConfig(
+        text_config=text,
+        vision_config={
+            "depth": 2,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_heads": 2,
+            "out_hidden_size": text["hidden_size"],
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "num_position_embeddings": 64,  # an 8x8 learned grid, interpolated to the image's patches
+            "deepstack_visual_indexes": [0],  # layer 0's features are also added to the LM's first layer
+        },
+        tie_word_embeddings=False,
+        **_qwen_vl_ids(tokenizer),
+    )
+    config.save_pretrained(out_dir)
+    _save_qwen_vl_processor(out_dir, "Qwen3VLProcessor", tokenizer)
+
+
+# Gemma 3: SigLIP at 28x28 pixels in 7x7 patches (4x4 = 16), average-pooled to 2x2 = 4 image tokens.
+_GEMMA3_IMAGE_SIZE, _GEMMA3_PATCH, _GEMMA3_IMAGE_TOKENS = 28, 7, 4
+
+
+def _build_gemma3(out_dir: Path) -> None:
+    from transformers import Gemma3Config, Gemma3ImageProcessorPil, Gemma3Processor
+
+    tokenizer = _fast_tokenizer(
+        GEMMA3_SPECIAL_TOKENS,
+        GEMMA3_CHAT_TEMPLATE,
+        pad_token="<pad>",
+        eos_token="<end_of_turn>",  # the -it models stop generating at the end of the turn
+        bos_token="<bos>",
+        unk_token="<unk>",
+        extra_special_tokens={
+            "boi_token": "<start_of_image>",
+            "eoi_token": "<end_of_image>",
+            "image_token": "<image_soft_token>",
+        },
+    )
+    text = _tiny_text_config_kwargs(tokenizer)
+    text.update(head_dim=16, query_pre_attn_scalar=16, sliding_window=64)
+    config = Gemma3Config(
+        text_config=text,
+        vision_config={
+            "model_type": "siglip_vision_model",
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "image_size": _GEMMA3_IMAGE_SIZE,
+            "patch_size": _GEMMA3_PATCH,
+            "vision_use_head": False,
+        },
+        mm_tokens_per_image=_GEMMA3_IMAGE_TOKENS,
+        boi_token_index=tokenizer.convert_tokens_to_ids("<start_of_image>"),
+        eoi_token_index=tokenizer.convert_tokens_to_ids("<end_of_image>"),
+        image_token_index=tokenizer.convert_tokens_to_ids("<image_soft_token>"),
+        tie_word_embeddings=True,  # as in the real Gemma 3
+    )
+    image_processor = Gemma3ImageProcessorPil(
+        size={"height": _GEMMA3_IMAGE_SIZE, "width": _GEMMA3_IMAGE_SIZE},
+        image_mean=[0.5, 0.5, 0.5],
+        image_std=[0.5, 0.5, 0.5],
+    )
+    processor = Gemma3Processor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        chat_template=GEMMA3_CHAT_TEMPLATE,
+        image_seq_length=_GEMMA3_IMAGE_TOKENS,
+    )
+    config.save_pretrained(out_dir)
+    processor.save_pretrained(out_dir)
+
+
 _BUILDERS = {
     "qwen2_vl": _build_qwen2_vl,
     "qwen2_5_vl": _build_qwen2_5_vl,
     "llava": _build_llava,
     "qwen2": _build_qwen2,
+    "qwen3_vl": _build_qwen3_vl,
+    "gemma3": _build_gemma3,
 }
 
 
-def build_tiny_model_folder(kind: str, out_dir: str | Path) -> Path:
+# Sizes beyond the default ("tiny", what the tests use): "small" is the smallest we measured to learn the
+# easy synthetic tasks within minutes on 2 CPU cores (configs/train/tiny_*, `make demo`, docs/results.md).
+# Each entry overrides text-model fields, and vision-tower fields of Qwen2-VL.
+TINY_SIZES: dict[str, dict[str, dict[str, int]]] = {
+    "tiny": {"text": {}, "vision": {}},
+    "small": {
+        # head_dim stays 16 (128 / 8), so the Qwen-VL mrope_section [4, 2, 2] still fits
+        "text": {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 8},
+        "vision": {"depth": 2, "embed_dim": 64, "num_heads": 4},
+    },
+}
+
+
+def _resize(out: Path, kind: str, size: str) -> None:
+    """Rewrite the folder's config with the size's fields (the tokenizer and processor stay)."""
+    from transformers import AutoConfig
+
+    if size not in TINY_SIZES:
+        raise ValueError(f"unknown tiny model size {size!r}; choose one of {', '.join(TINY_SIZES)}")
+    fields = TINY_SIZES[size]
+    if not fields["text"] and not fields["vision"]:
+        return
+    if fields["vision"] and kind != "qwen2_vl":
+        raise ValueError(f"tiny model size {size!r} is defined for qwen2_vl and qwen2 only, not {kind!r}")
+    config = AutoConfig.from_pretrained(out)
+    text = getattr(config, "text_config", config)
+    for key, value in fields["text"].items():
+        setattr(text, key, value)
+    if hasattr(config, "vision_config"):
+        for key, value in fields["vision"].items():
+            setattr(config.vision_config, key, value)
+        config.vision_config.hidden_size = text.hidden_size  # the merger's output feeds the text model
+    config.save_pretrained(out)
+
+
+def build_tiny_model_folder(kind: str, out_dir: str | Path, size: str = "tiny") -> Path:
     """Write a tiny Hugging Face model folder (config, tokenizer, processor; no weights) and return it.
 
     `kind` is one of `TINY_KINDS`. Load it with `AutoConfig.from_pretrained(folder)` and
     `AutoProcessor.from_pretrained(folder)` (`AutoTokenizer` for "qwen2"), then build random weights with
     `AutoModelForImageTextToText.from_config(config)` (`AutoModelForCausalLM` for "qwen2").
-    The folder's `tiny_model.json` records the kind.
+    `size` is a key of `TINY_SIZES` ("small": wider text model, 2-layer vision tower; qwen2 and
+    qwen2_vl). The folder's `tiny_model.json` records the kind and size.
     """
     if kind not in _BUILDERS:
         raise ValueError(f"unknown tiny model kind {kind!r}; choose one of {', '.join(TINY_KINDS)}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     _BUILDERS[kind](out)
-    (out / "tiny_model.json").write_text(json.dumps({"kind": kind}) + "\n")
+    _resize(out, kind, size)
+    recorded = {"kind": kind, **({"size": size} if size != "tiny" else {})}
+    (out / "tiny_model.json").write_text(json.dumps(recorded) + "\n")
     return out

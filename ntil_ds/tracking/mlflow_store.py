@@ -285,6 +285,9 @@ class MlflowTracker:
         self.uri = uri
         self.output_dir = Path(output_dir)
         self._journal = JournalWriter(self.output_dir / JOURNAL_NAME)
+        self._bad_lines: list[int] = []  # offsets of corrupt journal lines skipped (reported once each)
+        self._bad_lines_reported = 0
+        self._lost_records = 0  # records the journal could not take (a full disk)
         # Records before the marker were handled by earlier jobs; the rest of an earlier job of this
         # run (killed before its sender caught up) is sent first.
         self._offset = min(read_sent_offset(self._journal.path), self._journal.start_offset)
@@ -296,7 +299,7 @@ class MlflowTracker:
             "run_id": run_id,
             "artifact_location": _local_artifact_location(uri),
         }
-        self._journal.append("start", **self._start)
+        self._append("start", **self._start)
         self._run_id = run_id
         self._writer: RunWriter | None = None
         self._down = False
@@ -350,8 +353,20 @@ class MlflowTracker:
         self._record("artifact", path=str(Path(path).resolve()), artifact_path=artifact_path)
 
     def finish(self, status: str = "FINISHED") -> None:
+        """Never raises: the training is over whatever happens to its tracking (a job that trained
+        must not exit as failed because the store or the disk misbehaved at the end)."""
         if self._finished:
             return
+        try:
+            self._finish(status)
+        except Exception as e:
+            logger.error(
+                "tracking did not finish cleanly (%s: %s); the training is not affected. What was recorded "
+                "is in %s; import it with: python -m ntil_ds.tracking import %s --uri %s",
+                type(e).__name__, e, self._journal.path, self._journal.path, self.uri,
+            )  # fmt: skip
+
+    def _finish(self, status: str) -> None:
         try:
             for png in plot_run_history(self._history(), self._journal.path.parent / "plots"):
                 self.log_artifact(png, _PLOT_ARTIFACT_DIR)
@@ -365,8 +380,16 @@ class MlflowTracker:
         self._thread.join()
         self._journal.close()
         unsent = sum(
-            1 for _, record in read_records(self._journal.path, self._offset) if self._belongs(record)
+            1
+            for _, record in read_records(self._journal.path, self._offset, self._bad_lines)
+            if self._belongs(record)
         )
+        self._report_bad_lines()
+        if self._lost_records:
+            logger.warning(
+                "%d tracking records of this job could not be written to %s (see the error above) and "
+                "are lost", self._lost_records, self._journal.path,
+            )  # fmt: skip
         if unsent:
             logger.warning(
                 "%d tracking records of this job (run %s) did not reach %s; they are in %s. Import them "
@@ -379,8 +402,34 @@ class MlflowTracker:
     def _record(self, kind: str, **fields: Any) -> None:
         if self._finished:
             raise RuntimeError(f"tracker.{kind} after finish(): the run has ended")
-        self._journal.append(kind, **fields)
-        self._wake.set()
+        if self._append(kind, **fields):
+            self._wake.set()
+
+    def _append(self, kind: str, **fields: Any) -> bool:
+        """Journal one record (training or sender thread). A full disk loses it, counted and reported:
+        training goes on."""
+        try:
+            self._journal.append(kind, **fields)
+            return True
+        except OSError as e:
+            self._lost_records += 1
+            if self._lost_records == 1:
+                logger.error(
+                    "cannot write the tracking journal %s (%s): this %s record and any further ones that "
+                    "fail are lost (counted at the end of the job); training goes on",
+                    self._journal.path, e, kind,
+                )  # fmt: skip
+            return False
+
+    def _report_bad_lines(self) -> None:
+        """One warning per corrupt journal line found (each is skipped, never sent)."""
+        new = self._bad_lines[self._bad_lines_reported :]
+        if new:
+            logger.warning(
+                "%s: %d corrupt line(s) skipped (not JSON records; at byte offsets %s)",
+                self._journal.path, len(new), ", ".join(map(str, new[:10])),
+            )  # fmt: skip
+            self._bad_lines_reported = len(self._bad_lines)
 
     def _connect(self) -> None:
         client = MlflowClient(tracking_uri=self.uri)
@@ -395,7 +444,7 @@ class MlflowTracker:
             run_id = _create_run(client, self._start, tags)
             self._writer = RunWriter(client, run_id, fresh=True)
         self._run_id = self._writer.run_id
-        self._journal.append("run", run_id=self._run_id)
+        self._append("run", run_id=self._run_id)
 
     def _send_loop(self) -> None:
         retry_s = _RETRY_FIRST_S
@@ -450,12 +499,13 @@ class MlflowTracker:
             self._connect()
         while True:
             chunk, chunk_end = [], self._offset
-            for end, record in read_records(self._journal.path, self._offset):
+            for end, record in read_records(self._journal.path, self._offset, self._bad_lines):
                 chunk_end = end
                 if self._belongs(record):
                     chunk.append(record)
                     if len(chunk) == _RECORDS_PER_SEND:
                         break
+            self._report_bad_lines()
             if chunk:
                 self._writer.send(chunk)
             if chunk_end == self._offset:
@@ -513,7 +563,7 @@ class MlflowTracker:
             monitor.clear_metrics()
         if values:
             self._system_step = step
-            self._journal.append("metrics", step=step, time=now_ms(), values=values)
+            self._append("metrics", step=step, time=now_ms(), values=values)
 
     def _history(self) -> dict[str, dict[int, float]]:
         """Every metric of this run in the journal (earlier jobs of a resumed run too), first value per step."""
@@ -542,8 +592,11 @@ def import_journal(journal: Path, uri: str) -> list[tuple[str, RunWriter]]:
     bound_http_retries()
     client = MlflowClient(tracking_uri=uri)
     sessions: dict[str, list[dict[str, Any]]] = {}
-    for _, record in read_records(journal):
+    bad_lines: list[int] = []
+    for _, record in read_records(journal, bad_lines=bad_lines):
         sessions.setdefault(record["session"], []).append(record)
+    if bad_lines:
+        logger.warning("%s: %d corrupt line(s) skipped, at byte offsets %s", journal, len(bad_lines), bad_lines[:10])
     done = []
     for session, records in sessions.items():
         content = [r for r in records if r["kind"] not in ("start", "run")]

@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import json
 import os
-import runpy
 import sys
 from pathlib import Path
 
 import torch
 
-TRAIN_SCRIPT = Path(__file__).resolve().parents[2] / "launch" / "train.py"
 records: list[dict] = []
 
 
@@ -32,11 +30,14 @@ def probe(module: torch.nn.Module, inputs: tuple, output: torch.Tensor) -> None:
 
 
 if __name__ == "__main__":
+    from launch.train import main
+    from ntil_ds.dist import exit_process
+
     handle = torch.nn.modules.module.register_module_forward_hook(probe)
-    sys.argv = [str(TRAIN_SCRIPT), *sys.argv[1:]]
     try:
-        runpy.run_path(str(TRAIN_SCRIPT), run_name="__main__")
+        code = main(sys.argv[1:])
     finally:
         handle.remove()
         out = Path(os.environ["LOGITS_PROBE_DIR"]) / f"rank{os.environ['RANK']}.json"
         out.write_text(json.dumps(records))
+    exit_process(code)  # as launch/train.py ends a rank

@@ -1,8 +1,11 @@
-"""launch/train.py's job with a loss that turns NaN on one rank at one micro-batch (for the NaN test).
+"""launch/train.py's job with a loss, or only its gradient, that turns NaN on one rank at one
+micro-batch (for the NaN tests).
 
-    torchrun ... tests/distributed/nan_train.py --config R.yaml key=value ...   (env: NAN_AT_STEP, NAN_ON_RANK)
+    torchrun ... tests/distributed/nan_train.py --config R.yaml key=value ...
+    (env: NAN_AT_STEP, NAN_ON_RANK, NAN_IN=loss|gradient)
 
-The poisoned micro-batch is micro-batch 1 of step NAN_AT_STEP on rank NAN_ON_RANK. When the trainer stops
+The poisoned micro-batch is micro-batch 1 of step NAN_AT_STEP on rank NAN_ON_RANK. NAN_IN=gradient keeps
+the loss finite and makes its backward NaN (an overflow in the backward). When the trainer stops
 with NonFiniteLossError, this script exports the weights (a collective, so every rank joins) to
 <output_dir>/after_nan, for the test to compare with the checkpoint of the step before, and exits 3.
 """
@@ -11,31 +14,46 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 from pathlib import Path
+
+import torch
 
 from launch.train import parse_args
 from ntil_ds.checkpoint import export_hf_folder
 from ntil_ds.config import load_config
-from ntil_ds.dist import DistInfo
+from ntil_ds.dist import DistInfo, exit_process
 from ntil_ds.engine import init_distributed, load_deepspeed_json, merge_deepspeed_config
 from ntil_ds.trainer import NonFiniteLossError, Trainer
 
 EXIT_STOPPED_ON_NAN = 3
 
 
-class PoisonedLoss:
-    """The real loss, with a NaN on one rank at one micro-batch."""
+class NanBackward(torch.autograd.Function):
+    """Identity forward; a NaN gradient backward."""
 
-    def __init__(self, loss_fn, grad_accum: int, step: int, rank: int, this_rank: int) -> None:
-        self.loss_fn, self.grad_accum = loss_fn, grad_accum
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad * float("nan")
+
+
+class PoisonedLoss:
+    """The real loss, with a NaN (in the loss, or in its gradient only) on one rank at one micro-batch."""
+
+    def __init__(self, loss_fn, grad_accum: int, step: int, rank: int, this_rank: int, where: str) -> None:
+        self.loss_fn, self.grad_accum, self.where = loss_fn, grad_accum, where
         self.poisoned_call = (step - 1) * grad_accum + 1 if rank == this_rank else -1
         self.calls = 0
         self.digit_token_ids = loss_fn.digit_token_ids
 
     def __call__(self, *args, **kwargs):
         out = self.loss_fn(*args, **kwargs)
-        if self.calls == self.poisoned_call:
+        if self.calls == self.poisoned_call and self.where == "gradient":
+            out = dataclasses.replace(out, loss_sum=NanBackward.apply(out.loss_sum))
+        elif self.calls == self.poisoned_call:
             nan = float("nan")
             out = dataclasses.replace(out, loss=out.loss * nan, loss_sum=out.loss_sum * nan)
         self.calls += 1
@@ -55,6 +73,7 @@ def main() -> int:
         int(os.environ["NAN_AT_STEP"]),
         int(os.environ["NAN_ON_RANK"]),
         dist_info.rank,
+        os.environ.get("NAN_IN", "loss"),
     )
     try:
         trainer.fit()
@@ -68,4 +87,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())  # as launch/train.py ends a rank

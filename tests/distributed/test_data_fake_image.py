@@ -1,7 +1,7 @@
 """ZeRO-3 with images on one rank only: the collator's fake image keeps the ranks in step.
 
 Rank 0 trains on image samples, rank 1 on text-only ones, under real DeepSpeed ZeRO-3 (gloo, torchrun).
-With the fake image both ranks train (Qwen2.5-VL and LLaVA). Without it rank 1 skips the vision tower,
+With the fake image both ranks train (Qwen2.5-VL, LLaVA, Qwen3-VL, Gemma 3). Without it rank 1 skips the vision tower,
 the ranks' parameter all-gathers differ and the job dies within seconds on gloo ("Is there a distributed
 collective mismatch?"): run the job with `nofake` to see it (left out of CI for time).
 """
@@ -56,11 +56,12 @@ def _torchrun(tmp_path, data, mode, folders, timeout):
 @pytest.mark.distributed
 @pytest.mark.timeout(400)
 def test_fake_image_lets_text_only_ranks_train_under_zero3(tmp_path):
-    data, folders = _setup(tmp_path, ["qwen2_5_vl", "llava"])
+    kinds = ["qwen2_5_vl", "llava", "qwen3_vl", "gemma3"]
+    data, folders = _setup(tmp_path, kinds)
     result, out = _torchrun(tmp_path, data, "fake", folders, timeout=360)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
-    for kind in ("qwen2_5_vl", "llava"):
+    for kind in kinds:
         for rank in ranks:
             assert "pixel_values" in rank[kind]["keys"]  # the text-only rank ran the vision tower too
             assert all(math.isfinite(loss) and loss > 0 for loss in rank[kind]["losses"])

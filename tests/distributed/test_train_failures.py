@@ -83,6 +83,34 @@ def test_nan_loss_stops_before_the_optimizer_step_naming_step_rank_and_batch(tin
         assert torch.equal(after_nan[name], value), name
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_nan_gradient_with_a_finite_loss_stops_before_the_optimizer_step(tiny_setup):
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from transformers import AutoModelForImageTextToText
+
+    root, model_dir, data_file = tiny_setup
+    out = root / "nan_grad"
+    result = run_training(
+        overrides(root, model_dir, data_file, "nan_grad"),
+        script=REPO_ROOT / "tests" / "distributed" / "nan_train.py",
+        env=launch_env(NAN_AT_STEP="2", NAN_ON_RANK="1", NAN_IN="gradient"),
+    )
+    assert result.returncode != 0, result.stdout[-4000:]
+    log = result.stdout
+    assert "non-finite gradient at step 2 (of 4) with a finite loss" in log, log[-4000:]
+    assert "non-finite loss" not in log
+    # Every rank stopped (ZeRO-3 partitions the NaN gradient over both ranks' optimizer shards).
+    assert log.count("non-finite gradient at step 2") >= 2
+    assert sorted(train_metrics(out)) == [1]
+    after_step_1 = get_fp32_state_dict_from_zero_checkpoint(str(out / "checkpoints"), tag="step_00000001")
+    after_nan = AutoModelForImageTextToText.from_pretrained(
+        out / "after_nan", dtype=torch.float32
+    ).state_dict()
+    for name, value in after_step_1.items():
+        assert torch.equal(after_nan[name], value), name
+
+
 @pytest.mark.timeout(200)
 def test_global_batch_not_divisible_by_micro_batch_times_ranks_fails_at_start(tiny_setup):
     root, model_dir, data_file = tiny_setup

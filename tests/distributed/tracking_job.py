@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from ntil_ds.config import Config, TrackingConfig, flatten, save_config
-from ntil_ds.dist import DistInfo
+from ntil_ds.dist import DistInfo, exit_process
 from ntil_ds.tracking import build_tracker, default_tags
 
 
@@ -128,9 +128,13 @@ def main() -> None:
         torch.save(model.module.state_dict(), export / "model.pt")
         (export / "config.json").write_text('{"kind": "tiny-mlp"}')
         tracker.log_artifact(export, "model")
-    tracker.finish("FINISHED")
+    # As the trainer ends a job (ntil_ds.engine.leave_process_group): the ranks leave the group together,
+    # then rank 0 delivers its tracking backlog alone.
+    dist.barrier()
     dist.destroy_process_group()
+    tracker.finish("FINISHED")
 
 
 if __name__ == "__main__":
     main()
+    exit_process(0)  # as launch/train.py: no interpreter finalization racing gloo's worker threads

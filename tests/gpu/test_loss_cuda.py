@@ -1,17 +1,34 @@
-"""NTILLoss on CUDA: same numbers as the float64 CPU computation, and no host-device sync.
+"""NTILLoss on CUDA: same numbers as the float64 CPU computation, and no host-device sync, on both
+implementations of the vocabulary stage (the Triton kernels, chosen automatically, and the torch tiles).
 
 Skipped without CUDA (tests/conftest.py). Run on a GPU machine with `pytest -q tests/gpu`.
 """
 
+import importlib.util
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
-from ntil_ds.loss import NTILLoss
+from ntil_ds.loss import NTILLoss, vocab_stats
 
 pytestmark = pytest.mark.gpu
 
 DIGITS = [17, 3, 25, 8, 30, 11, 2, 29, 14, 21]
 PARTS = ("loss", "ntil", "emd", "rel", "mag", "ce_sum", "num_tokens")
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
+BACKENDS = [
+    "torch",
+    pytest.param("triton", marks=pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")),
+]
+GOLDEN = Path(__file__).resolve().parents[1] / "unit" / "loss_golden" / "ntil_reference_cases.json"
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    """The `kernel` argument of NTILLoss."""
+    return request.param
 
 
 def random_batch(batch=4, length=96, vocab=1003, seed=0):
@@ -34,12 +51,13 @@ def forward_backward(loss_fn, logits, labels):
 
 
 @pytest.mark.parametrize("dtype, rtol, atol", [(torch.float32, 1e-5, 1e-6), (torch.bfloat16, 2e-2, 1e-3)])
-def test_cuda_matches_float64_cpu(dtype, rtol, atol):
-    loss_fn = NTILLoss(DIGITS, gumbel_noise_scale=0.0)
+def test_cuda_matches_float64_cpu(backend, dtype, rtol, atol):
+    loss_fn = NTILLoss(DIGITS, gumbel_noise_scale=0.0, kernel=backend)
     logits, labels = random_batch()
     # The CPU reference sees the same rounded inputs the GPU sees.
     rounded = logits.to(dtype).to(torch.float64)
-    reference, reference_grad = forward_backward(loss_fn, rounded, labels)
+    reference_fn = NTILLoss(DIGITS, gumbel_noise_scale=0.0, kernel="torch")
+    reference, reference_grad = forward_backward(reference_fn, rounded, labels)
     out, grad = forward_backward(loss_fn, logits.to(dtype).cuda(), labels.cuda())
     assert grad.dtype == dtype
     for part in PARTS:
@@ -49,8 +67,8 @@ def test_cuda_matches_float64_cpu(dtype, rtol, atol):
     torch.testing.assert_close(grad.double().cpu(), reference_grad, rtol=rtol, atol=atol)
 
 
-def test_forward_and_backward_never_sync_with_the_host():
-    loss_fn = NTILLoss(DIGITS)  # noise on: the Gumbel draw must not sync either
+def test_forward_and_backward_never_sync_with_the_host(backend):
+    loss_fn = NTILLoss(DIGITS, kernel=backend)  # noise on: the Gumbel draw must not sync either
     logits, labels = random_batch()
     logits = logits.float().cuda().requires_grad_(True)
     labels = labels.cuda()
@@ -63,3 +81,74 @@ def test_forward_and_backward_never_sync_with_the_host():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.isfinite(out.loss.detach()).all().item()
+
+
+def test_kernel_is_the_automatic_choice_on_cuda():
+    chosen = vocab_stats.kernel_wanted(torch.zeros(2, 3, device="cuda", dtype=torch.bfloat16))
+    assert (chosen is not None) == HAVE_TRITON
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_matches_torch_path_on_cuda_across_block_edges(dtype):
+    """V = 40,000 spans three 16384-wide blocks, the last one partial; digits sit on the block edges."""
+    from ntil_ds.loss import vocab_kernel
+
+    edge = vocab_kernel.MAX_BLOCK
+    digits = [edge - 1, edge, 0, 2 * edge - 1, 2 * edge, 39_999, 5, edge + 1, 2 * edge + 1, 100]
+    generator = torch.Generator().manual_seed(3)
+    labels = torch.randint(0, 40_000, (3, 64), generator=generator)
+    mask = torch.rand(3, 64, generator=generator) < 0.4
+    labels[mask] = torch.tensor(digits)[torch.randint(0, 10, (int(mask.sum()),), generator=generator)]
+    labels[torch.rand(3, 64, generator=generator) < 0.3] = -100
+    logits = (torch.randn(3, 64, 40_000, generator=generator) * 3).to(dtype).cuda()
+    labels = labels.cuda()
+    results = {}
+    for name in ("torch", "triton"):
+        loss_fn = NTILLoss(digits, kernel=name)
+        leaf = logits.detach().clone().requires_grad_()
+        out = loss_fn(leaf, labels, generator=torch.Generator(device="cuda").manual_seed(1))
+        out.loss.backward()
+        results[name] = (out, leaf.grad)
+    (out, grad), (expected, expected_grad) = results["triton"], results["torch"]
+    for part in PARTS:
+        torch.testing.assert_close(getattr(out, part), getattr(expected, part), rtol=2e-6, atol=1e-6)
+    grad_tol = {"rtol": 1e-5, "atol": 1e-7} if dtype == torch.float32 else {"rtol": 2**-7, "atol": 1e-6}
+    torch.testing.assert_close(grad.float(), expected_grad.float(), **grad_tol)
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
+def test_kernel_golden_cases_on_cuda():
+    for index, case in enumerate(json.loads(GOLDEN.read_text())["cases"]):
+        loss_fn = NTILLoss(case["digit_ids"], gumbel_noise_scale=0.0, kernel="triton", **case["hyper"])
+        labels = torch.tensor(case["labels"], device="cuda")
+        for output_name, grad_name in (("ntil", "grad_ntil"), ("loss", "grad_loss")):
+            logits = torch.tensor(case["logits"], dtype=torch.float32, device="cuda", requires_grad=True)
+            out = loss_fn(logits, labels)
+            getattr(out, output_name).backward()
+            expected = torch.tensor(case["expected"][grad_name])
+            torch.testing.assert_close(logits.grad.cpu(), expected, rtol=1e-5, atol=1e-6, msg=f"{index}")
+        value = torch.tensor(case["expected"]["loss"])
+        torch.testing.assert_close(out.loss.cpu(), value, rtol=1e-5, atol=1e-6, msg=f"{index}")
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
+def test_compiled_number_stage_matches_eager_on_cuda():
+    """number_stage="compile" (torch.compile, dynamic shapes) against the eager number stage, with the
+    signed/decimal options on, on two batch shapes one after another."""
+    options = {"decimal_numbers": True, "decimal_point_id": 5, "signed_numbers": True, "minus_sign_id": 6}
+    # One instance per mode for both shapes, as in training (the compiled stage is built once, dynamic).
+    loss_fns = {mode: NTILLoss(DIGITS, gumbel_noise_scale=0.0, number_stage=mode, **options)
+                for mode in ("eager", "compile")}  # fmt: skip
+    for seed, (batch, length) in enumerate([(2, 30), (3, 17)]):
+        logits, labels = random_batch(batch, length, 40, seed=seed)
+        labels[0, 3], labels[1, 5] = 6, 5
+        logits, labels = logits.float().cuda(), labels.cuda()
+        results = {}
+        for mode, loss_fn in loss_fns.items():
+            out, grad = forward_backward(loss_fn, logits, labels)
+            results[mode] = (out, grad)
+        (out, grad), (expected, expected_grad) = results["compile"], results["eager"]
+        for part in PARTS:
+            torch.testing.assert_close(getattr(out, part), getattr(expected, part), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(grad, expected_grad, rtol=1e-5, atol=1e-7)

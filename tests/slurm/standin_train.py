@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -26,6 +25,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
+from ntil_ds.dist import exit_process
 from ntil_ds.preemption import EXIT_PREEMPTED, PreemptionWatcher
 
 DEFAULTS = {
@@ -139,4 +139,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())  # as launch/train.py ends a rank

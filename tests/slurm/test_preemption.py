@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 from datetime import timedelta
 from pathlib import Path
@@ -12,6 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ntil_ds.preemption import EXIT_PREEMPTED, PreemptionWatcher
+from tests.conftest import REPO_ROOT
 
 
 @pytest.fixture
@@ -61,9 +63,16 @@ def test_close_restores_the_previous_handlers(watcher_factory):
         signal.signal(signal.SIGUSR1, old)
 
 
-def test_exit_code_is_distinct_from_common_failures():
-    # 1 (exception), 2 (config/usage), 128+n (killed by signal n) must never read as "preempted".
-    assert EXIT_PREEMPTED == 85
+def test_exit_code_is_distinct_from_common_failures_and_agrees_with_the_batch_script():
+    # What a process produces without meaning "preempted" must never read as it: 0, 1 (exception),
+    # 2 (config/usage), 126/127 (shell: not executable / not found), 128+n (killed by signal n, which
+    # shells and SLURM report), and anything a byte cannot hold.
+    not_preempted = {0, 1, 2, 126, 127} | {128 + s for s in range(1, 65)}
+    assert EXIT_PREEMPTED not in not_preempted and 0 < EXIT_PREEMPTED < 256
+    # slurm/train.sh requeues on its own copy of the code (a shell script cannot import Python).
+    script = (REPO_ROOT / "slurm" / "train.sh").read_text()
+    assigned = re.findall(r"^EXIT_PREEMPTED=(\d+)", script, flags=re.MULTILINE)
+    assert assigned == [str(EXIT_PREEMPTED)], assigned
 
 
 def _stop_step(watcher: PreemptionWatcher, request_at: dict[str, int], rank: int, flag: Path) -> int | None:

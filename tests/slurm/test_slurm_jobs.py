@@ -189,6 +189,10 @@ def test_dead_rank_ends_the_job(slurm_cluster, tmp_path):
     info = slurm_cluster.wait_job(job, timeout=240)
     log = job_log(tmp_path, job)
     assert info.state == "FAILED", log
-    assert info.exit_code == "3:0"  # the dead rank's own exit code reaches SLURM
+    # Promised: a non-zero exit that is not the preemption code (so no requeue). Which code reaches
+    # SLURM is a race and not promised: the dead rank's own 3, or 1 from rank 0, whose collective fails
+    # when its peer vanishes, if the launcher notices rank 0 first.
+    code, signal_number = info.exit_code.split(":")
+    assert code not in ("0", str(EXIT_PREEMPTED)) and signal_number == "0", info.exit_code
     assert "rank 1 dies at step 3" in log
     assert info.restarts == 0

@@ -1,4 +1,4 @@
-"""The import rules of ARCHITECTURE.md, enforced by parsing the library's imports.
+"""The import rules of docs/design/architecture.md, enforced by parsing the library's imports.
 
 config -> dist/loss/data/model -> engine/checkpoint/tracking -> trainer -> launch.
 loss, data and model never import each other, deepspeed or mlflow; only engine.py imports deepspeed;

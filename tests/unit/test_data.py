@@ -21,8 +21,15 @@ from ntil_ds.data import (
 )
 from ntil_ds.model.tiny import TINY_KINDS, build_tiny_model_folder
 
-MLLM_KINDS = ("qwen2_vl", "qwen2_5_vl", "llava")
-END_OF_TURN = {"qwen2_vl": "<|im_end|>", "qwen2_5_vl": "<|im_end|>", "llava": "</s>", "qwen2": "<|im_end|>"}
+MLLM_KINDS = ("qwen2_vl", "qwen2_5_vl", "llava", "qwen3_vl", "gemma3")
+END_OF_TURN = {
+    "qwen2_vl": "<|im_end|>",
+    "qwen2_5_vl": "<|im_end|>",
+    "llava": "</s>",
+    "qwen2": "<|im_end|>",
+    "qwen3_vl": "<|im_end|>",
+    "gemma3": "<end_of_turn>",
+}
 
 
 @pytest.fixture(scope="module")
@@ -103,10 +110,16 @@ def test_labels_are_exactly_the_answers_and_their_end_of_turn(tmp_path, processo
             assert tokenizer.convert_ids_to_tokens(int(sample["input_ids"][end - 1])) == eot
             assert start > 0 and not labelled[start - 1]
     if kind != "qwen2":
-        image_tokens = first["input_ids"] == processor.image_token_id
+        image_tokens = first["input_ids"] == _expanded_image_token_id(processor)
         assert image_tokens.sum() > 1 and not (first["labels"][image_tokens] != IGNORE_INDEX).any()
         # the whole image sits in one run of placeholders the processor expanded
         assert len(_runs(image_tokens)) == 1
+
+
+def _expanded_image_token_id(processor) -> int:
+    """The token an image's features replace: Gemma 3 writes <start_of_image> (processor.image_token) but
+    expands it to <image_soft_token> x N between markers; the others repeat the placeholder itself."""
+    return getattr(tokenizer_of(processor), "image_token_id", None) or processor.image_token_id
 
 
 def test_template_without_end_of_turn_gets_eos_after_the_answer(tmp_path, folders):
@@ -219,7 +232,7 @@ def _forward(model, batch):
     return model(**{k: v for k, v in batch.items() if k != "labels"}).logits
 
 
-@pytest.mark.parametrize("kind", ["qwen2_5_vl", "llava"])
+@pytest.mark.parametrize("kind", ["qwen2_5_vl", "llava", "qwen3_vl", "gemma3"])
 def test_padded_mixed_batch_equals_one_by_one(tmp_path, folders, processors, kind):
     processor = processors[kind]
     rows = [
@@ -268,12 +281,18 @@ def test_fake_image_runs_the_vision_tower_without_changing_the_text(tmp_path, fo
     assert "pixel_values" not in plain and "pixel_values" in batch
     n_real = len(samples[0]["input_ids"])
     fake = slice(n_real, None)
-    image_id = processor.image_token_id
-    assert (batch["input_ids"][0, fake] == image_id).all() and (batch["attention_mask"][0, fake] == 0).all()
+    image_id = _expanded_image_token_id(processor)
+    fake_is_image = batch["input_ids"][0, fake] == image_id
+    # Qwen/LLaVA: image tokens only; Gemma 3: its image tokens between "\n\n<start_of_image>" and
+    # "<end_of_image>\n\n"
+    assert fake_is_image.any() and (batch["attention_mask"][0, fake] == 0).all()
+    assert kind == "gemma3" or fake_is_image.all()
     assert (batch["labels"][0, fake] == IGNORE_INDEX).all()
     assert torch.equal(batch["labels"][0, :n_real], samples[0]["labels"])
     if "mm_token_type_ids" in batch:
         assert (batch["mm_token_type_ids"][0, fake] == 1).all()
+    if "token_type_ids" in batch:  # Gemma 3 marks its image tokens (bidirectional attention among them)
+        assert torch.equal(batch["token_type_ids"][0, fake].bool(), fake_is_image)
 
     model = _model(folders[kind], kind)
     logits = _forward(model, batch)

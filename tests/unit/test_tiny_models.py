@@ -20,7 +20,7 @@ from transformers import (
 from ntil_ds.data.processor import load_processor, tokenizer_of
 from ntil_ds.model.tiny import TINY_KINDS, build_tiny_model_folder
 
-MLLM_KINDS = ("qwen2_vl", "qwen2_5_vl", "llava")
+MLLM_KINDS = ("qwen2_vl", "qwen2_5_vl", "llava", "qwen3_vl", "gemma3")
 
 
 @pytest.fixture(scope="module")
@@ -57,18 +57,22 @@ def test_mllm_folder_loads_and_trains(folders, kind):
     tokenizer = tokenizer_of(processor)
     assert model.config.text_config.vocab_size == len(tokenizer)
     image_id = model.config.image_token_id
-    assert tokenizer.convert_ids_to_tokens(image_id) == processor.image_token
+    # Gemma 3's text placeholder (<start_of_image>) differs from the token its features replace
+    expanded_token = getattr(tokenizer, "image_token", None) or processor.image_token
+    assert tokenizer.convert_ids_to_tokens(image_id) == expanded_token
     n_image_tokens = int((batch["input_ids"] == image_id).sum())
     assert n_image_tokens > 0
 
     out = model(**batch)
     assert out.logits.shape == (*batch["input_ids"].shape, len(tokenizer))
     out.logits.float().logsumexp(-1).mean().backward()
-    # (CLIP's post_layernorm is unused by LLaVA and keeps no gradient, as in the full-size model)
+    # (CLIP's post_layernorm is unused by LLaVA and keeps no gradient, as in the full-size model.
+    # transformers initialises Gemma 3's projector weight to zeros: at random init only the projector's
+    # own gradient shows that the image reached the loss.)
     vision_grads = [
         p.grad
         for n, p in model.named_parameters()
-        if ("visual" in n or "vision_tower" in n) and p.grad is not None
+        if ("visual" in n or "vision_tower" in n or "multi_modal_projector" in n) and p.grad is not None
     ]
     assert vision_grads and all(torch.isfinite(g).all() for g in vision_grads)
     assert any(g.abs().sum() > 0 for g in vision_grads)  # the image reached the loss
@@ -101,8 +105,10 @@ def test_saved_processor_loads_back_the_same(folders, tmp_path, kind):
         "Qwen2VLProcessor",
         "Qwen2_5_VLProcessor",
         "LlavaProcessor",
+        "Qwen3VLProcessor",
+        "Gemma3Processor",
     )
-    if kind != "llava":
+    if kind.startswith("qwen"):
         assert (tmp_path / "export" / "video_preprocessor_config.json").is_file()
     first, second = _encode_image_sample(processor), _encode_image_sample(again)
     assert first.keys() == second.keys()
@@ -179,7 +185,7 @@ def _reference_mrope_positions(input_ids, image_grid_thw, image_token_id, merge_
     return torch.tensor(positions).T.unsqueeze(1)  # (3, 1, T)
 
 
-@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2_5_vl"])
+@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def test_qwen_mm_token_type_ids_give_mrope_positions(folders, kind):
     processor = load_processor(folders[kind])
     model = _build_model(folders[kind], kind)

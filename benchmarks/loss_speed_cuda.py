@@ -1,0 +1,230 @@
+"""The loss on one CUDA device: `python -m benchmarks.loss_speed --device cuda` (see that module).
+
+Per shape and logits dtype, forward + backward of each method on the same logits and labels:
+
+- time: median of `--repeats` calls (default 10, after 3 warm-ups) timed with CUDA events;
+- ratio to PyTorch's cross-entropy as Hugging Face models compute it
+  (`F.cross_entropy(logits.float().view(-1, V), labels.view(-1))`), measured in the same run;
+- the bandwidth floor: the time of copying the logits once (read once + write once, what a loss
+  that reads the logits and writes their gradient cannot beat), measured on this device;
+- peak extra memory: `torch.cuda.max_memory_allocated()` during the calls minus what was allocated
+  before (the logits and labels), and its ratio to cross-entropy's;
+- launches per call: GPU activities (kernels, memsets, copies) of one call under torch.profiler;
+- host sync: whether one call of NTILLoss runs under `torch.cuda.set_sync_debug_mode("error")`.
+
+Methods: cross_entropy (the baseline above); ntil (NTILLoss, the fused Triton kernels when Triton
+imports); ntil_compiled (the same with number_stage="compile": the number stage through
+torch.compile, compiled once during the warm-up calls, ~tens of seconds); ntil_torch (NTILLoss with
+kernel="torch": the fallback with device-sized tiles);
+liger (LigerCrossEntropyLoss, the fused cross-entropy anchor, if liger-kernel is installed; it writes
+the gradient into the logits' own storage during the forward, so it gets a private copy of them);
+ntloss (ntloss.NTLoss + cross-entropy, if ntloss is installed). Needs only torch (+ triton) on a CUDA
+machine; a method that fails or is missing prints its reason in the table and the run goes on.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from ntil_ds.loss import NTILLoss
+
+DIGIT_IDS = [15 + i for i in range(10)]
+CUDA_SHAPES = [(8, 512, 32000), (4, 2048, 151936), (8, 4096, 151936)]
+CUDA_METHODS = ("cross_entropy", "ntil", "ntil_compiled", "ntil_torch", "liger", "ntloss")
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+
+
+def make_batch_cuda(batch: int, length: int, vocab: int, dtype: torch.dtype, seed: int = 0, device="cuda"):
+    """The CPU benchmark's label mix (digit runs of 1-6 digits ~29 %, 30 % ignored), drawn on the GPU."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    labels = torch.randint(100, vocab, (batch, length), device=device, generator=generator)
+    # A run of 1-6 digits starts at 9 % of the positions: ~28 % digits (overlapping runs merge).
+    starts = torch.rand(batch, length, device=device, generator=generator) < 0.09
+    lengths = torch.randint(1, 7, (batch, length), device=device, generator=generator)
+    covered = torch.zeros(batch, length, dtype=torch.bool, device=device)
+    for offset in range(6):
+        shifted = torch.zeros_like(covered)
+        shifted[:, offset:] = (starts & (lengths > offset))[:, : length - offset]
+        covered |= shifted
+    digits = torch.tensor(DIGIT_IDS, device=device)[torch.randint(0, 10, (batch, length), device=device)]
+    labels = torch.where(covered, digits, labels)
+    labels[torch.rand(batch, length, device=device, generator=generator) < 0.3] = -100
+    logits = torch.randn(batch, length, vocab, device=device, generator=generator).to(dtype)
+    return logits, labels
+
+
+def _hf_cross_entropy(logits, labels):
+    return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.view(-1))
+
+
+# One instance per method for the whole run: the compiled number stage (dynamic shapes) is compiled once.
+_NTIL_LOSSES = {
+    "ntil": NTILLoss(DIGIT_IDS),  # kernel="auto": the Triton kernels on CUDA when triton imports
+    "ntil_torch": NTILLoss(DIGIT_IDS, kernel="torch"),
+    "ntil_compiled": NTILLoss(DIGIT_IDS, number_stage="compile"),
+}
+
+
+def _loss_functions(methods: list[str], vocab: int) -> dict:
+    """name -> loss function, or an error string when the method cannot run here."""
+    functions = {}
+    for method in methods:
+        if method == "cross_entropy":
+            functions[method] = _hf_cross_entropy
+        elif method in _NTIL_LOSSES:
+            functions[method] = lambda x, y, _f=_NTIL_LOSSES[method]: _f(x, y).loss
+        elif method == "liger":
+            try:
+                from liger_kernel.transformers import LigerCrossEntropyLoss
+            except Exception as error:  # not installed, or an import that fails on this machine
+                functions[method] = f"unavailable: {type(error).__name__}: {error}"
+                continue
+            liger = LigerCrossEntropyLoss()
+            functions[method] = lambda x, y, _f=liger: _f(x.view(-1, x.shape[-1]), y.view(-1))
+        elif method == "ntloss":
+            try:
+                from benchmarks.loss_speed import _ntloss_with_cross_entropy
+
+                ntloss = _ntloss_with_cross_entropy(vocab)
+            except Exception as error:
+                functions[method] = f"unavailable: {type(error).__name__}: {error}"
+                continue
+            functions[method] = lambda x, y, _f=ntloss: _f(x, y)
+        else:
+            raise ValueError(f"unknown method {method!r}; choose from {CUDA_METHODS}")
+    return functions
+
+
+def _time_calls(fn, leaf, labels, repeats: int, warmups: int = 3) -> tuple[float, float]:
+    """(median ms, peak extra MiB) of forward + backward."""
+    for _ in range(warmups):
+        fn(leaf, labels).backward()
+        leaf.grad = None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(leaf, labels).backward()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+        leaf.grad = None
+    return statistics.median(times), (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def _launches(fn, leaf, labels) -> int:
+    """GPU activities (kernels, memsets, copies) of one forward + backward."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn(leaf, labels).backward()
+        torch.cuda.synchronize()
+    leaf.grad = None
+    return sum(1 for event in prof.events() if event.device_type == DeviceType.CUDA)
+
+
+def _syncs_with_host(fn, leaf, labels) -> bool:
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fn(leaf, labels).backward()
+        synced = False
+    except RuntimeError as error:
+        synced = "synchroniz" in str(error)
+        if not synced:
+            raise
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        leaf.grad = None
+    return synced
+
+
+def _copy_floor_ms(logits: torch.Tensor, repeats: int) -> float:
+    """Reading the logits once and writing a tensor of their size once, on this device."""
+    out = torch.empty_like(logits)
+    for _ in range(3):
+        out.copy_(logits)
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out.copy_(logits)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    del out
+    return statistics.median(times)
+
+
+def run(shapes, dtypes: list[str], methods: list[str], repeats: int) -> None:
+    if not torch.cuda.is_available():
+        sys.exit("--device cuda: no CUDA device visible to torch")
+    from ntil_ds.loss import vocab_stats
+
+    started = time.time()
+    device = torch.cuda.get_device_name()
+    kernel = vocab_stats._import_kernel()
+    triton_version = getattr(sys.modules.get("triton"), "__version__", "not installed")
+    print(
+        f"{device}, torch {torch.__version__}, triton {triton_version} "
+        f"(NTILLoss path: {'Triton kernels' if kernel else 'torch tiles'}); forward + backward, "
+        f"median of {repeats} (CUDA events); labels ~29 % digits, 30 % ignored\n"
+    )
+    print("| shape [B, T, V] | logits | method | time (ms) | time / CE | time / floor | "
+          "peak extra memory (MiB) | memory / CE | launches per call | host sync |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for batch, length, vocab in shapes:
+        functions = _loss_functions(methods, vocab)
+        for dtype_name in dtypes:
+            dtype = DTYPES[dtype_name]
+            shape = f"[{batch}, {length}, {vocab}]"
+            print(f"... {shape} {dtype_name} ({time.time() - started:.0f} s)", file=sys.stderr, flush=True)
+            logits, labels = make_batch_cuda(batch, length, vocab, dtype)
+            floor_ms = _copy_floor_ms(logits, repeats)
+            print(
+                f"| {shape} | {dtype_name} | floor: copy the logits once | {floor_ms:.3f} | | 1.00 | | | | |"
+            )
+            baseline = None
+            for method, fn in functions.items():
+                if isinstance(fn, str):
+                    print(f"| {shape} | {dtype_name} | {method} | {fn} | | | | | | |")
+                    continue
+                # Liger overwrites its input with the gradient: a private copy (outside the timing).
+                source = logits.clone() if method == "liger" else logits
+                leaf = source.detach().requires_grad_()
+                try:
+                    ms, mib = _time_calls(fn, leaf, labels, repeats)
+                    launches = _launches(fn, leaf, labels)
+                    sync = _syncs_with_host(fn, leaf, labels) if method.startswith("ntil") else None
+                except Exception as error:  # a failure is a finding: report it and go on
+                    message = f"{type(error).__name__}: {error}".splitlines()[0][:200]
+                    print(
+                        f"| {shape} | {dtype_name} | {method} | failed: {message} | | | | | | |", flush=True
+                    )
+                    del leaf, source
+                    torch.cuda.empty_cache()
+                    continue
+                if method == "cross_entropy":
+                    baseline = (ms, mib)
+                time_ratio = f"{ms / baseline[0]:.2f}" if baseline else "-"
+                memory_ratio = f"{mib / baseline[1]:.2f}" if baseline and baseline[1] > 0 else "-"
+                sync_text = "-" if sync is None else ("yes" if sync else "no")
+                print(
+                    f"| {shape} | {dtype_name} | {method} | {ms:.3f} | {time_ratio} | {ms / floor_ms:.1f} | "
+                    f"{mib:,.0f} | {memory_ratio} | {launches} | {sync_text} |",
+                    flush=True,
+                )
+                del leaf, source
+                torch.cuda.empty_cache()
+            del logits, labels
+            torch.cuda.empty_cache()
+    print(f"\n({time.time() - started:.0f} s)")

@@ -1,0 +1,267 @@
+"""Fused Triton kernels for stage 1 of the loss (`vocab_stats.position_stats`) on CUDA.
+
+One program per row (position). Forward: a single pass over the row's logits keeps an online max and
+sum of exponentials (rescaled whenever the max grows), so the row is read once in its own dtype and
+never upcast as a whole; the target logit and the K gathered columns (the digits, the minus sign) are
+K + 1 scalar loads from the same row, which is in L2 at that point. Backward: a second pass recomputes
+`softmax * dCE`, subtracts `dCE` at the target and writes the gradient once, in the logits' dtype; then,
+after a barrier that orders those stores, the K column entries are rewritten with the column gradients
+added (the pattern of Triton's and Liger-Kernel's cross-entropy kernels, which patch the target entry
+the same way). Traffic: the logits are read twice and the gradient written once; nothing of size
+`[N, V]` besides the gradient is allocated, and nothing is computed in fp64.
+
+Without a process group the forward kernel also finishes the row (log-sum-exp, CE, the NaN rules) so
+that stage 1 is one launch forward and one backward. With a process group it writes per-rank partials in
+the layout of the SUM all-reduce of `vocab_stats`, which then does the two all-reduces as before.
+
+Used automatically for CUDA logits in fp32/bf16/fp16 when Triton imports (see `kernel_wanted`); the
+argument kernel="torch"|"triton"|"auto" (default auto) of `NTILLoss` / `position_stats` forces a path.
+`triton` on CPU tensors needs Triton's own TRITON_INTERPRET=1 set before this module is imported (the tests
+do that in subprocesses).
+Written for triton >= 3.2.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Largest vocabulary block a program holds at once (elements): one 16-warp program keeps 32 fp32 values
+# per thread. Smaller vocabularies use the next power of two; tests shrink it to cross block edges.
+MAX_BLOCK = 16384
+NUM_WARPS = 16
+# Columns are handled as one padded vector of this many lanes (ten digits + minus sign fit).
+_MIN_COLUMN_LANES = 16
+
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _block(local_vocab: int) -> int:
+    return min(MAX_BLOCK, triton.next_power_of_2(max(local_vocab, 16)))
+
+
+def _column_lanes(num_columns: int) -> int:
+    return max(_MIN_COLUMN_LANES, triton.next_power_of_2(max(num_columns, 1)))
+
+
+def _interpreting() -> bool:
+    # Under TRITON_INTERPRET=1 at definition time, `triton.jit` returns an interpreted function instead of
+    # a JITFunction: asking the kernel itself tells what will run (the variable may have changed since).
+    return not isinstance(_forward_kernel, triton.runtime.JITFunction)
+
+
+@triton.jit
+def _forward_kernel(
+    logits_ptr,
+    logits_stride,
+    targets_ptr,
+    column_ids_ptr,
+    num_columns,
+    vocab_start,
+    local_vocab,
+    max_ptr,  # [N] fp32: the row max (FINALIZE) or this rank's row max
+    columns_ptr,  # FINALIZE: [N, K] column logits; else the packed [N, W] all-reduce buffer
+    columns_stride,
+    ce_ptr,  # FINALIZE only: [N] cross-entropy
+    lse_ptr,  # FINALIZE only: [N] log-sum-exp
+    FINALIZE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    LANES: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * logits_stride
+    offsets = tl.arange(0, BLOCK)
+
+    # Online max / sum of exp over the row, block by block; the sum is rescaled when the max grows.
+    running_max = float("-inf")
+    running_sum = 0.0
+    for start in range(0, local_vocab, BLOCK):
+        cols = start + offsets
+        x = tl.load(row_ptr + cols, mask=cols < local_vocab, other=float("-inf")).to(tl.float32)
+        new_max = tl.maximum(running_max, tl.max(x, axis=0))
+        running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
+        running_max = new_max
+
+    # Target logit: one scalar load from the row (0 where this rank does not own the label).
+    target = tl.load(targets_ptr + row)
+    valid = target >= 0
+    owned = valid & (target >= vocab_start) & (target < vocab_start + local_vocab)
+    local_target = tl.where(owned, target - vocab_start, 0)
+    target_logit = tl.load(row_ptr + local_target, mask=owned, other=0.0).to(tl.float32)
+    target_logit = tl.where(owned, target_logit, 0.0)
+
+    # The K gathered columns as one padded vector; columns of other shards read as 0.
+    lanes = tl.arange(0, LANES)
+    column_ids = tl.load(column_ids_ptr + lanes, mask=lanes < num_columns, other=-1)
+    is_local = (column_ids >= vocab_start) & (column_ids < vocab_start + local_vocab)
+    local_columns = tl.where(is_local, column_ids - vocab_start, 0)
+    column_logits = tl.load(row_ptr + local_columns, mask=is_local, other=0.0).to(tl.float32)
+    column_logits = tl.where(is_local, column_logits, 0.0)
+
+    out_row = columns_ptr + row * columns_stride
+    tl.store(max_ptr + row, running_max)
+    if FINALIZE:
+        log_sum_exp = running_max + tl.log(running_sum)
+        ce = tl.where(valid, log_sum_exp - target_logit, 0.0)
+        # A valid label outside the vocabulary: NaN instead of an error (an error would need a host sync).
+        ce = tl.where(valid & (owned == 0), float("nan"), ce)
+        tl.store(ce_ptr + row, ce)
+        tl.store(lse_ptr + row, log_sum_exp)
+        tl.store(out_row + lanes, column_logits, mask=lanes < num_columns)
+    else:
+        # The SUM all-reduce's layout: sum of exp (relative to this rank's max), target logit, owned
+        # flag, then the K columns (see vocab_stats).
+        tl.store(out_row, running_sum)
+        tl.store(out_row + 1, target_logit)
+        tl.store(out_row + 2, owned.to(tl.float32))
+        tl.store(out_row + 3 + lanes, column_logits, mask=lanes < num_columns)
+
+
+@triton.jit
+def _backward_kernel(
+    logits_ptr,
+    logits_stride,
+    grad_ptr,
+    grad_stride,
+    targets_ptr,
+    lse_ptr,
+    grad_ce_ptr,
+    grad_ce_stride,
+    grad_columns_ptr,
+    grad_columns_stride_row,
+    grad_columns_stride_col,
+    column_ids_ptr,
+    num_columns,
+    vocab_start,
+    local_vocab,
+    HAS_CE_GRAD: tl.constexpr,
+    HAS_COLUMN_GRAD: tl.constexpr,
+    BLOCK: tl.constexpr,
+    LANES: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * logits_stride
+    grad_row_ptr = grad_ptr + row * grad_stride
+    offsets = tl.arange(0, BLOCK)
+
+    target = tl.load(targets_ptr + row)
+    valid = target >= 0
+    owned = valid & (target >= vocab_start) & (target < vocab_start + local_vocab)
+    local_target = tl.where(owned, target - vocab_start, -1)
+    log_sum_exp = tl.load(lse_ptr + row)
+    # Unlabelled rows have a constant CE of 0: whatever flows into them stops here.
+    grad_ce = 0.0
+    if HAS_CE_GRAD:
+        grad_ce = tl.load(grad_ce_ptr + row * grad_ce_stride).to(tl.float32)
+    grad_ce = tl.where(valid, grad_ce, 0.0)
+
+    for start in range(0, local_vocab, BLOCK):
+        cols = start + offsets
+        in_row = cols < local_vocab
+        x = tl.load(row_ptr + cols, mask=in_row, other=0.0).to(tl.float32)
+        grad = tl.exp(x - log_sum_exp) * grad_ce
+        grad = grad - tl.where(cols == local_target, grad_ce, 0.0)
+        tl.store(grad_row_ptr + cols, grad.to(grad_ptr.dtype.element_ty), mask=in_row)
+
+    if HAS_COLUMN_GRAD:
+        # The stores above must land before the column entries are rewritten (other threads of this
+        # program may have written them).
+        tl.debug_barrier()
+        lanes = tl.arange(0, LANES)
+        in_lanes = lanes < num_columns
+        column_ids = tl.load(column_ids_ptr + lanes, mask=in_lanes, other=-1)
+        is_local = in_lanes & (column_ids >= vocab_start) & (column_ids < vocab_start + local_vocab)
+        local_columns = tl.where(is_local, column_ids - vocab_start, 0)
+        grad_columns = tl.load(
+            grad_columns_ptr + row * grad_columns_stride_row + lanes * grad_columns_stride_col,
+            mask=is_local,
+            other=0.0,
+        ).to(tl.float32)
+        grad_columns = tl.where(is_local, grad_columns, 0.0)
+        # Each entry from scratch (no read-modify-write): the same formula as the loop, plus the sum
+        # of the column gradients of every lane with this id (ids may repeat in position_stats).
+        x = tl.load(row_ptr + local_columns, mask=is_local, other=0.0).to(tl.float32)
+        grad = tl.exp(x - log_sum_exp) * grad_ce
+        grad = grad - tl.where(local_columns == local_target, grad_ce, 0.0)
+        same_id = column_ids[:, None] == column_ids[None, :]
+        grad = grad + tl.sum(tl.where(same_id, grad_columns[None, :], 0.0), axis=1)
+        tl.store(grad_row_ptr + local_columns, grad.to(grad_ptr.dtype.element_ty), mask=is_local)
+
+
+def _check_device(logits: torch.Tensor) -> None:
+    if not logits.is_cuda and not _interpreting():
+        raise RuntimeError(
+            f"the Triton loss kernel got logits on {logits.device}: it runs on CUDA, or on CPU tensors only "
+            "under Triton's interpreter (TRITON_INTERPRET=1 set before ntil_ds.loss.vocab_kernel is "
+            "imported); pass kernel='auto' or 'torch' (loss.kernel in a recipe) to use the torch path."
+        )
+
+
+def forward_full(
+    logits: torch.Tensor, targets: torch.Tensor, column_ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Full vocabulary: (ce [N], columns [N, K], row_max [N], log_sum_exp [N]), fp32, one launch."""
+    _check_device(logits)
+    num_rows, vocab = logits.shape
+    num_columns = column_ids.numel()
+    device = logits.device
+    ce = torch.empty(num_rows, dtype=torch.float32, device=device)
+    log_sum_exp = torch.empty_like(ce)
+    row_max = torch.empty_like(ce)
+    columns = torch.empty(num_rows, num_columns, dtype=torch.float32, device=device)
+    if num_rows:
+        _forward_kernel[(num_rows,)](
+            logits, logits.stride(0), targets, column_ids, num_columns, 0, vocab,
+            row_max, columns, columns.stride(0), ce, log_sum_exp,
+            FINALIZE=True, BLOCK=_block(vocab), LANES=_column_lanes(num_columns), num_warps=NUM_WARPS,
+        )  # fmt: skip
+    return ce, columns, row_max, log_sum_exp
+
+
+def forward_partials(
+    logits: torch.Tensor, targets: torch.Tensor, column_ids: torch.Tensor, vocab_start: int, width: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One vocabulary shard: (local_max [N], packed [N, width]) with packed[:, :3 + K] filled as
+    `vocab_stats` lays out the SUM all-reduce (sum of exp relative to local_max, target logit, owned
+    flag, the columns; the caller fills the payload columns and rescales the sum)."""
+    _check_device(logits)
+    num_rows, local_vocab = logits.shape
+    num_columns = column_ids.numel()
+    local_max = torch.empty(num_rows, dtype=torch.float32, device=logits.device)
+    packed = torch.empty(num_rows, width, dtype=torch.float32, device=logits.device)
+    if num_rows:
+        _forward_kernel[(num_rows,)](
+            logits, logits.stride(0), targets, column_ids, num_columns, vocab_start, local_vocab,
+            local_max, packed, packed.stride(0), packed, packed,
+            FINALIZE=False, BLOCK=_block(local_vocab), LANES=_column_lanes(num_columns), num_warps=NUM_WARPS,
+        )  # fmt: skip
+    return local_max, packed
+
+
+def backward(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    log_sum_exp: torch.Tensor,
+    column_ids: torch.Tensor,
+    vocab_start: int,
+    grad_ce: torch.Tensor | None,
+    grad_columns: torch.Tensor | None,
+) -> torch.Tensor:
+    """Gradient of the logits (their dtype and shape) from the CE and column gradients; one launch."""
+    num_rows, local_vocab = logits.shape
+    num_columns = column_ids.numel()
+    grad_logits = torch.empty_like(logits, memory_format=torch.contiguous_format)
+    if not num_rows:
+        return grad_logits
+    # Absent gradients: pass any tensor as the pointer, the constexpr flag skips its loads.
+    ce_arg = grad_ce if grad_ce is not None else log_sum_exp
+    columns_arg = grad_columns if grad_columns is not None else log_sum_exp[:, None]
+    _backward_kernel[(num_rows,)](
+        logits, logits.stride(0), grad_logits, grad_logits.stride(0), targets, log_sum_exp,
+        ce_arg, ce_arg.stride(0), columns_arg, columns_arg.stride(0), columns_arg.stride(1),
+        column_ids, num_columns, vocab_start, local_vocab,
+        HAS_CE_GRAD=grad_ce is not None, HAS_COLUMN_GRAD=grad_columns is not None,
+        BLOCK=_block(local_vocab), LANES=_column_lanes(num_columns), num_warps=NUM_WARPS,
+    )  # fmt: skip
+    return grad_logits

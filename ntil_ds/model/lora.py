@@ -1,0 +1,241 @@
+"""LoRA (and QLoRA's 4-bit base weights) through peft, for the recipe's ``lora:`` block.
+
+What trains: low-rank adapters on the ``lora.target_modules`` linear layers of the **language model**
+(never the vision tower: its linear layers share names like ``q_proj`` in SigLIP-based families), plus
+the modules in ``lora.modules_to_save``, trained in full and saved with the adapter. NTIL's gradient
+reaches the digits through the output head, so the recipes keep ``lm_head`` there; the projector goes
+there too when ``model.freeze_projector=false``. The vision tower must be frozen (a full trainable copy
+of it inside the adapter is not what LoRA is for): ``model.freeze_vision_tower=true``.
+
+Under ZeRO-3 the base model is already partitioned when peft wraps it (``zero.Init``): the adapters
+are created as ordinary tensors and ``deepspeed.initialize`` partitions them with the rest; peft gathers
+a partitioned module before copying it for ``modules_to_save``. The checkpoint is DeepSpeed's (adapters,
+optimizer state, frozen base included), so a resume restores everything exactly.
+
+Export (:func:`save_lora_export`, called by ``checkpoint.export_hf_folder``): the adapter as peft writes
+it (``adapter_config.json`` + ``adapter_model.safetensors``, loads with ``PeftModel.from_pretrained``),
+and with ``lora.merge_on_export=true`` also ``merged/``: the base weights with ``B @ A * alpha / r``
+added, a plain Hugging Face folder that loads with ``from_pretrained`` and no peft.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ntil_ds.config import ConfigError, LoraConfig, ModelConfig
+
+log = logging.getLogger(__name__)
+
+MERGED_DIR = "merged"
+# Set on the PeftModel by apply_lora: the export reads it (checkpoint.py has no config at hand).
+_LORA_CONFIG_ATTR = "ntil_lora_config"
+
+
+def split_names(value: str) -> list[str]:
+    """"a, b,c" -> ["a", "b", "c"] (recipes write module lists as one comma-separated string)."""
+    return [name.strip() for name in value.split(",") if name.strip()]
+
+
+def lora_target_names(model: nn.Module, lora: LoraConfig) -> list[str]:
+    """Full names of the language model's linear layers that get adapters.
+
+    ``target_modules`` holds layer names (``q_proj``) matched against the last part of each module name,
+    or ``all-linear``: every linear layer of the language model except the output head.
+    """
+    from ntil_ds.model.loading import model_part
+
+    wanted = split_names(lora.target_modules)
+    has_vision = getattr(model.config, "vision_config", None) is not None
+    names = []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear) or name.split(".")[-1] == "lm_head":
+            continue
+        if has_vision and model_part(f"{name}.weight") not in ("language_model", "other"):
+            continue
+        if "all-linear" in wanted or name.split(".")[-1] in wanted:
+            names.append(name)
+    if not names:
+        raise ConfigError(
+            f"lora.target_modules={lora.target_modules!r} matches no linear layer of the language model of "
+            f"{type(model).__name__}; use layer names like q_proj,v_proj or all-linear"
+        )
+    return names
+
+
+def _modules_to_save(model: nn.Module, cfg: ModelConfig, lora: LoraConfig) -> list[str]:
+    """``lora.modules_to_save``, plus the projector's outermost modules when the recipe trains it."""
+    from ntil_ds.model.loading import model_part
+
+    names = split_names(lora.modules_to_save)
+    if getattr(model.config, "vision_config", None) is not None and not cfg.freeze_projector:
+        # e.g. model.multi_modal_projector, model.visual.merger (+ model.visual.deepstack_merger_list)
+        tops = set()
+        for name, _ in model.named_parameters():
+            parts = name.split(".")
+            for depth in range(1, len(parts)):
+                prefix = ".".join(parts[:depth])
+                # (a list of projectors, Qwen3-VL's deepstack mergers: each one, peft wraps modules only)
+                if model_part(f"{prefix}.weight") == "projector" and not isinstance(
+                    model.get_submodule(prefix), nn.ModuleList | nn.ModuleDict
+                ):
+                    tops.add(prefix)
+                    break
+        names += sorted(tops - set(names))
+    return names
+
+
+def apply_lora(model: nn.Module, cfg: ModelConfig, lora: LoraConfig) -> nn.Module:
+    """Wrap ``model`` with LoRA adapters as the recipe's ``lora`` block says; returns the PeftModel."""
+    try:
+        from peft import LoraConfig as PeftLoraConfig
+        from peft import get_peft_model
+    except ImportError as error:  # peft is a dependency; a hand-made environment may still lack it
+        raise ConfigError(
+            "lora.enabled=true needs the peft package: pip install -c constraints/cpu.txt peft"
+        ) from error
+    if getattr(model.config, "vision_config", None) is not None and not cfg.freeze_vision_tower:
+        raise ConfigError(
+            "lora.enabled=true trains adapters on the language model only; set model.freeze_vision_tower=true "
+            "(a fully trained vision tower would be copied whole into the adapter)"
+        )
+    if cfg.freeze_language_model:
+        raise ConfigError("lora.enabled=true trains the language model's adapters: set model.freeze_language_model=false")
+    targets = lora_target_names(model, lora)
+    to_save = _modules_to_save(model, cfg, lora)
+    peft_config = PeftLoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        # Full module names: an exact list, so nothing outside the language model matches by accident.
+        target_modules=targets,
+        modules_to_save=to_save or None,
+        bias="none",
+        # Tied input/output embeddings (Gemma 3): the trained copy of lm_head stays tied to the embedding,
+        # as in the base model, so the merged export (which ties them again) keeps the trained head.
+        ensure_weight_tying=_ties_embeddings(model),
+    )
+    # Adapters in the base model's dtype: DeepSpeed's bf16 mode expects one dtype for all parameters.
+    peft_model = get_peft_model(model, peft_config, autocast_adapter_dtype=False)
+    setattr(peft_model, _LORA_CONFIG_ATTR, lora)
+    trainable = sum(p.numel() if not hasattr(p, "ds_numel") else p.ds_numel for p in _trainable(peft_model))
+    log.info(
+        "LoRA r=%d alpha=%g on %d linear layers; trained in full: %s; %d trainable parameters",
+        lora.r,
+        lora.alpha,
+        len(targets),
+        ", ".join(to_save) or "nothing",
+        trainable,
+    )
+    return peft_model
+
+
+def quantization_kwargs(
+    cfg: ModelConfig, lora: LoraConfig | None, under_deepspeed: bool, device: Any
+) -> dict[str, Any]:
+    """QLoRA: ``from_pretrained`` arguments that load the base weights as 4-bit nf4 (bitsandbytes).
+
+    Double quantization (the block scales in 8 bits), compute in the training dtype, and the packed
+    4-bit weights stored in that dtype too (what ZeRO-3 needs to partition them).
+
+    Not yet under DeepSpeed: on CPU with 2 ranks the adapters' gradients reach DeepSpeed's reduce hooks
+    empty (ZeRO-2 and ZeRO-3, "'NoneType' object has no attribute 'view'"), so the trainer refuses
+    rather than fail mid-step. The 4-bit model itself (quantize at load, forward, backward into the
+    adapters) runs and is tested on one process (tests/unit/test_lora.py).
+    """
+    if lora is None or not lora.enabled or lora.quantize == "none":
+        return {}
+    if under_deepspeed:
+        raise ConfigError(
+            "lora.quantize=nf4 (QLoRA) does not train under DeepSpeed in this version (the adapters' "
+            "gradients reach ZeRO's reduce hooks empty); use lora.quantize=none (LoRA on 16-bit weights: "
+            "launch/estimate.py shows what it needs)"
+        )
+    if cfg.init != "pretrained":
+        raise ConfigError(
+            "lora.quantize=nf4 quantizes pretrained weights as they load: set model.init=pretrained "
+            "(for a random model, save it with save_pretrained first and train from that folder)"
+        )
+    try:
+        import bitsandbytes  # noqa: F401  (transformers needs it for the 4-bit layers)
+    except ImportError as error:
+        raise ConfigError(
+            "lora.quantize=nf4 needs bitsandbytes: pip install -c constraints/cpu.txt bitsandbytes"
+        ) from error
+    from transformers import BitsAndBytesConfig
+
+    from ntil_ds.model.loading import DTYPES
+
+    dtype = DTYPES[cfg.dtype]
+    kwargs: dict[str, Any] = {
+        "quantization_config": BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=dtype,
+            bnb_4bit_quant_storage=dtype,
+        )
+    }
+    kwargs["device_map"] = {"": device if device is not None else "cpu"}  # quantize straight onto it
+    return kwargs
+
+
+def _ties_embeddings(model: nn.Module) -> bool:
+    config = model.config
+    text = config.get_text_config()
+    return bool(getattr(config, "tie_word_embeddings", False) or getattr(text, "tie_word_embeddings", False))
+
+
+def _trainable(model: nn.Module) -> list[nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def is_lora_model(model: nn.Module) -> bool:
+    return getattr(model, _LORA_CONFIG_ATTR, None) is not None
+
+
+def save_lora_export(model: nn.Module, state_dict: dict[str, torch.Tensor], out_dir: Path) -> None:
+    """Rank 0: write the adapter to ``out_dir`` and, on request, the merged model to ``out_dir/merged``.
+
+    ``state_dict``: the consolidated (gathered) weights of the PeftModel, adapters and base together.
+    """
+    lora: LoraConfig = getattr(model, _LORA_CONFIG_ATTR)
+    model.save_pretrained(out_dir, state_dict=state_dict, safe_serialization=True)
+    if lora.merge_on_export:
+        merged = merged_state_dict(state_dict, scaling=lora.alpha / lora.r)
+        base = model.get_base_model()
+        recorded = base.__dict__.pop("_weight_conversions", None)  # see checkpoint.export_hf_folder
+        try:
+            base.save_pretrained(out_dir / MERGED_DIR, state_dict=merged, safe_serialization=True)
+        finally:
+            if recorded is not None:
+                base._weight_conversions = recorded
+    log.info("exported the LoRA adapter to %s%s", out_dir, " (+ merged/)" if lora.merge_on_export else "")
+
+
+_PEFT_PREFIX = "base_model.model."
+
+
+def merged_state_dict(state_dict: dict[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor]:
+    """The PeftModel's weights as the plain model's: ``W + scaling * B @ A`` for each adapted layer, the
+    trained copy of each ``modules_to_save`` module in place of the original, peft's names removed."""
+    merged: dict[str, torch.Tensor] = {}
+    for key, value in state_dict.items():
+        name = key.removeprefix(_PEFT_PREFIX)
+        if ".lora_A." in name or ".lora_B." in name or ".original_module." in name:
+            continue
+        if ".base_layer." in name:
+            layer = name.replace(".base_layer.", ".", 1)
+            prefix = key.split(".base_layer.")[0]
+            if name.endswith(".weight"):
+                a = state_dict[f"{prefix}.lora_A.default.weight"].float()
+                b = state_dict[f"{prefix}.lora_B.default.weight"].float()
+                value = (value.float() + scaling * (b @ a)).to(value.dtype)
+            merged[layer] = value
+            continue
+        merged[name.replace(".modules_to_save.default.", ".")] = value
+    return merged

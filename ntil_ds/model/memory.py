@@ -1,0 +1,343 @@
+"""Per-GPU memory of a training run, from its recipe: will it fit on N GPUs of G GB?
+
+The model is built on PyTorch's ``meta`` device from its config (no weights, no memory), with the
+recipe's freeze flags or LoRA applied, so parameter counts are exact for any family transformers knows.
+The config comes from ``config.json`` when ``model.name_or_path`` is a local folder, else from
+:data:`KNOWN_CONFIGS` (the Hub ``config.json`` numbers of the models the recipes name: nothing is
+downloaded).
+
+Bytes per GPU, bf16 mixed precision with DeepSpeed (P = all parameters, T = trainable, N = data-parallel
+GPUs, L = the largest module's own parameters):
+
+- weights: 2 P (ZeRO-2, every GPU holds them all) or 2 P / N (ZeRO-3); 0 with parameter offload.
+  QLoRA: the quantized linear weights take 0.5 B + 1/64 B (nf4 + double-quantized block scales).
+- gradients: ZeRO-2 6 T / N (a bf16 and an fp32 partition), ZeRO-3 4 T / N (reduced into the partition
+  the optimizer reads); 0 with optimizer offload.
+- optimizer states: fp32 master weights 4 T / N + AdamW's m and v, 8 T / N (8-bit AdamW: 2 T / N);
+  0 with optimizer offload. These three are DeepSpeed's own accounting
+  (``estimate_zero{2,3}_model_states_mem_needs``: 2 P + 18 P / N and 4 L + 18 P / N), which the tests
+  check this against.
+- ZeRO-3 live parameters: 2 B x ``stage3_max_live_parameters`` (what DeepSpeed may keep gathered; at
+  least 4 L, the largest module with its gradient, as its estimators count it) plus the prefetch bucket
+  (2 B x ``stage3_prefetch_bucket_size``).
+- logits and loss: micro_batch x max_seq_len x vocab x 2 B for the bf16 logits, and as much again for
+  NTIL's forward + backward (measured on an H200 at [4, 2048, 151936] in bf16: NTILLoss's forward +
+  backward peaked 2386 MiB above the 2374 MiB of logits, i.e. 1.0x).
+- activations of the language model, per token and layer, measured with saved-tensor hooks on Qwen2
+  layers in bf16 (tests/unit/test_memory_estimate.py): 20 h + 4 kv + 8 i bytes (h hidden, kv the key/value
+  width, i the MLP width); with gradient checkpointing only each layer's input is kept (2 h bytes) plus
+  one layer's full set while it is recomputed. The vision tower's activations are not counted (a frozen
+  tower keeps none; a trained one adds roughly its share of tokens).
+
+It fits when the sum is at most the GPU's memory less 1.5 GiB (CUDA context, NCCL buffers) and less 10 %
+for allocator fragmentation.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ntil_ds.config import Config, ConfigError
+
+GIB = 2**30
+CUDA_CONTEXT_GIB = 1.5
+FRAGMENTATION = 0.10
+NTIL_PEAK_OVER_LOGITS = 1.0  # measured (2386 / 2374 MiB), see the module docstring
+# bytes per token per layer in bf16 (measured; see the module docstring)
+_ACT_PER_HIDDEN, _ACT_PER_KV, _ACT_PER_MLP = 20, 4, 8
+_NF4_BYTES = 0.5 + 1 / 64
+
+# The Hub config.json numbers of the models the recipes name (what AutoConfig would read; only the keys
+# that decide the architecture's size).
+KNOWN_CONFIGS: dict[str, dict[str, Any]] = {
+    "Qwen/Qwen2-VL-2B-Instruct": {
+        "model_type": "qwen2_vl",
+        "text_config": {"hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
+                        "num_attention_heads": 12, "num_key_value_heads": 2, "vocab_size": 151936,
+                        "tie_word_embeddings": True},
+        "vision_config": {"depth": 32, "embed_dim": 1280, "mlp_ratio": 4, "num_heads": 16,
+                          "hidden_size": 1536, "patch_size": 14, "spatial_merge_size": 2},
+        "tie_word_embeddings": True,
+    },
+    "Qwen/Qwen2-VL-7B-Instruct": {
+        "model_type": "qwen2_vl",
+        "text_config": {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+                        "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064,
+                        "tie_word_embeddings": False},
+        "vision_config": {"depth": 32, "embed_dim": 1280, "mlp_ratio": 4, "num_heads": 16,
+                          "hidden_size": 3584, "patch_size": 14, "spatial_merge_size": 2},
+        "tie_word_embeddings": False,
+    },
+    "Qwen/Qwen2.5-VL-7B-Instruct": {
+        "model_type": "qwen2_5_vl",
+        "text_config": {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+                        "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064,
+                        "tie_word_embeddings": False},
+        "vision_config": {"depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16,
+                          "out_hidden_size": 3584, "patch_size": 14, "spatial_merge_size": 2,
+                          "window_size": 112, "fullatt_block_indexes": [7, 15, 23, 31]},
+        "tie_word_embeddings": False,
+    },
+    "Qwen/Qwen3-VL-8B-Instruct": {
+        "model_type": "qwen3_vl",
+        "text_config": {"hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+                        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+                        "vocab_size": 151936, "tie_word_embeddings": False},
+        "vision_config": {"depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "num_heads": 16,
+                          "out_hidden_size": 4096, "patch_size": 16, "spatial_merge_size": 2,
+                          "num_position_embeddings": 2304, "deepstack_visual_indexes": [8, 16, 24]},
+        "tie_word_embeddings": False,
+    },
+    "google/gemma-3-4b-it": {
+        "model_type": "gemma3",
+        "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "num_hidden_layers": 34,
+                        "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+                        "vocab_size": 262208, "sliding_window": 1024},
+        "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 1152, "intermediate_size": 4304,
+                          "num_hidden_layers": 27, "num_attention_heads": 16, "image_size": 896,
+                          "patch_size": 14, "vision_use_head": False},
+        "mm_tokens_per_image": 256,
+        "tie_word_embeddings": True,
+    },
+    "llava-hf/llava-1.5-7b-hf": {
+        "model_type": "llava",
+        "text_config": {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008,
+                        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+                        "vocab_size": 32064},
+        "vision_config": {"model_type": "clip_vision_model", "hidden_size": 1024, "intermediate_size": 4096,
+                          "num_hidden_layers": 24, "num_attention_heads": 16, "image_size": 336,
+                          "patch_size": 14, "projection_dim": 768},
+        "tie_word_embeddings": False,
+    },
+    "Qwen/Qwen2.5-7B-Instruct": {
+        "model_type": "qwen2",
+        "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
+        "num_key_value_heads": 4, "vocab_size": 152064, "tie_word_embeddings": False,
+    },
+}  # fmt: skip
+
+
+def hf_config_for(name_or_path: str):
+    """The model's transformers config: its local config.json, or the :data:`KNOWN_CONFIGS` numbers."""
+    from transformers import AutoConfig
+
+    if (Path(name_or_path) / "config.json").is_file():
+        return AutoConfig.from_pretrained(name_or_path)
+    if name_or_path not in KNOWN_CONFIGS:
+        raise ConfigError(
+            f"model.name_or_path={name_or_path!r} is neither a local folder with a config.json nor one of the "
+            f"models whose dimensions ship with ntil-ds ({', '.join(sorted(KNOWN_CONFIGS))}); download its "
+            "config.json into a folder and give that folder"
+        )
+    raw = copy.deepcopy(KNOWN_CONFIGS[name_or_path])
+    return AutoConfig.for_model(raw.pop("model_type"), **raw)
+
+
+@dataclass
+class ParamCounts:
+    total: int  # every parameter once (tied ones once)
+    trainable: int
+    largest_module: int  # the most parameters any single module holds itself (DeepSpeed's "largest layer")
+    quantized: int = 0  # QLoRA: frozen linear weights stored in 4 bits
+
+
+def count_parameters(cfg: Config) -> tuple[ParamCounts, Any]:
+    """Exact counts for the recipe's model, freeze flags and LoRA block, on the meta device."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from ntil_ds.model.loading import freeze_parts, model_kind
+
+    hf_config = hf_config_for(cfg.model.name_or_path)
+    kind = model_kind(cfg.model, hf_config)
+    auto_class = AutoModelForImageTextToText if kind == "mllm" else AutoModelForCausalLM
+    with torch.device("meta"):
+        model = auto_class.from_config(hf_config)
+    quantized = 0
+    if cfg.lora.enabled:
+        from ntil_ds.model.lora import apply_lora
+
+        if cfg.lora.quantize == "nf4":  # bitsandbytes keeps the output head in 16 bits
+            quantized = sum(
+                m.weight.numel()
+                for n, m in model.named_modules()
+                if isinstance(m, nn.Linear) and not n.endswith("lm_head")
+            )
+        with torch.device("meta"):
+            model = apply_lora(model, cfg.model, cfg.lora)
+    else:
+        freeze_parts(model, cfg.model)
+    unique = {id(p): p for p in model.parameters()}.values()
+    total = sum(p.numel() for p in unique)
+    trainable = sum(p.numel() for p in unique if p.requires_grad)
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    return ParamCounts(total, trainable, largest, quantized), hf_config
+
+
+@dataclass
+class Estimate:
+    """Bytes per GPU, by what holds them."""
+
+    weights: float
+    gradients: float
+    optimizer_states: float
+    zero3_live_parameters: float
+    logits_and_loss: float
+    activations: float
+    activations_other_setting: float  # the same with gradient checkpointing toggled
+    counts: ParamCounts
+    gpus: int
+    gpu_memory_gb: float
+    stage: int
+    offload: str
+    method: str
+    gradient_checkpointing: bool
+
+    @property
+    def total(self) -> float:
+        return (
+            self.weights
+            + self.gradients
+            + self.optimizer_states
+            + self.zero3_live_parameters
+            + self.logits_and_loss
+            + self.activations
+        )
+
+    @property
+    def usable(self) -> float:
+        return (self.gpu_memory_gb * 1e9 - CUDA_CONTEXT_GIB * GIB) * (1 - FRAGMENTATION)
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.usable
+
+    def model_states(self) -> float:
+        """What DeepSpeed's estimators cover: weights, gradients, optimizer states, live parameters."""
+        return self.weights + self.gradients + self.optimizer_states + self.zero3_live_parameters
+
+    def report(self) -> str:
+        c = self.counts
+        other = "on" if not self.gradient_checkpointing else "off"
+        rows = [
+            ("weights", self.weights),
+            ("gradients", self.gradients),
+            ("optimizer states", self.optimizer_states),
+            ("ZeRO-3 live parameters", self.zero3_live_parameters),
+            ("logits and loss", self.logits_and_loss),
+            (f"activations (checkpointing {'on' if self.gradient_checkpointing else 'off'})", self.activations),
+        ]
+        lines = [
+            f"{self.method}, ZeRO-{self.stage}{' + ' + self.offload + ' offload' if self.offload != 'none' else ''}, "
+            f"{self.gpus} GPUs x {self.gpu_memory_gb:g} GB",
+            f"parameters {c.total / 1e9:.2f} B, trainable {c.trainable / 1e9:.3f} B"
+            + (f", 4-bit {c.quantized / 1e9:.2f} B" if c.quantized else ""),
+        ]
+        lines += [f"  {name:<40} {value / GIB:8.2f} GiB" for name, value in rows]
+        lines.append(f"  {'total per GPU':<40} {self.total / GIB:8.2f} GiB")
+        lines.append(
+            f"  (activations with checkpointing {other}: {self.activations_other_setting / GIB:.2f} GiB)"
+        )
+        verdict = "fits" if self.fits else "does NOT fit"
+        lines.append(
+            f"{verdict}: {self.total / GIB:.1f} GiB of {self.usable / GIB:.1f} GiB usable per GPU "
+            f"({self.gpu_memory_gb:g} GB less {CUDA_CONTEXT_GIB} GiB context and {FRAGMENTATION:.0%} headroom)"
+        )
+        return "\n".join(lines)
+
+
+def _dtype_bytes(dtype: str) -> int:
+    return 4 if dtype == "float32" else 2
+
+
+def activation_bytes_per_token(hf_config: Any, dtype: str, checkpointing: bool) -> tuple[float, float]:
+    """``(kept for backward per token over all layers, one layer's full set per token)``."""
+    text = hf_config.get_text_config()
+    h, i, layers = text.hidden_size, text.intermediate_size, text.num_hidden_layers
+    head_dim = getattr(text, "head_dim", None) or h // text.num_attention_heads
+    kv = (getattr(text, "num_key_value_heads", None) or text.num_attention_heads) * head_dim  # width of k
+    scale = _dtype_bytes(dtype) / 2
+    per_layer = (_ACT_PER_HIDDEN * h + _ACT_PER_KV * kv + _ACT_PER_MLP * i) * scale
+    if checkpointing:
+        return layers * 2 * h * scale, per_layer
+    return layers * per_layer, 0.0
+
+
+def estimate(cfg: Config, ds_json: dict[str, Any], gpus: int, gpu_memory_gb: float) -> Estimate:
+    """Per-GPU memory of ``cfg`` with DeepSpeed config ``ds_json`` on ``gpus`` GPUs of ``gpu_memory_gb``."""
+    if gpus < 1 or gpu_memory_gb <= 0:
+        raise ConfigError(f"--gpus {gpus} and --gpu-memory-gb {gpu_memory_gb} must be positive")
+    counts, hf_config = count_parameters(cfg)
+    zero = ds_json.get("zero_optimization", {})
+    stage = int(zero.get("stage", 0))
+    tp = int((ds_json.get("tensor_parallel") or {}).get("autotp_size", 1))
+    dp = max(1, gpus // tp)
+    offload_opt = (zero.get("offload_optimizer") or {}).get("device", "none") not in ("none", None)
+    offload_par = (zero.get("offload_param") or {}).get("device", "none") not in ("none", None)
+    offload = "optimizer+param" if offload_opt and offload_par else "optimizer" if offload_opt else "none"
+    wbytes = _dtype_bytes(cfg.model.dtype)
+
+    dense = counts.total - counts.quantized
+    weights = dense * wbytes + counts.quantized * _NF4_BYTES
+    weights /= tp  # AutoTP splits the layers' weights
+    if stage >= 3:
+        weights = 0.0 if offload_par else weights / dp
+    t = counts.trainable / tp
+    shard = dp if stage >= 1 else 1
+    # DeepSpeed's accounting: ZeRO-2 keeps a bf16 and an fp32 gradient partition (2 + 4 B), ZeRO-3 reduces
+    # straight into the partition the optimizer reads (4 B).
+    grad_bytes = 4 if stage >= 3 else wbytes + 4
+    gradients = 0.0 if offload_opt else grad_bytes * t / shard
+    state_bytes = 4 + (2 if cfg.optim.name == "adamw_8bit" else 8)
+    optimizer = 0.0 if offload_opt else state_bytes * t / shard
+    live = 0.0
+    if stage >= 3:
+        # DeepSpeed keeps up to stage3_max_live_parameters gathered (default 1e9) and prefetches a bucket
+        # ahead; at least the largest module is gathered with its gradient (its estimators' 4 L).
+        max_live = min(int(zero.get("stage3_max_live_parameters", 1e9)), counts.total) / tp
+        prefetch = int(zero.get("stage3_prefetch_bucket_size", 5e7))
+        live = max(4 * counts.largest_module, wbytes * max_live) + wbytes * prefetch
+
+    tokens = cfg.train.micro_batch_size * cfg.data.max_seq_len
+    if cfg.data.max_tokens_per_micro_batch:  # packing: one row of at most this many tokens
+        tokens = cfg.data.max_tokens_per_micro_batch
+    vocab = hf_config.get_text_config().vocab_size
+    logits = tokens * vocab * wbytes * (1 + NTIL_PEAK_OVER_LOGITS) / tp
+
+    def activations(checkpointing: bool) -> float:
+        kept, recompute = activation_bytes_per_token(hf_config, cfg.model.dtype, checkpointing)
+        return tokens * (kept + recompute) / tp
+
+    ckpt = cfg.model.gradient_checkpointing
+    method = "full fine-tuning"
+    if cfg.lora.enabled:
+        method = "QLoRA" if cfg.lora.quantize == "nf4" else "LoRA"
+    return Estimate(
+        weights=weights,
+        gradients=gradients,
+        optimizer_states=optimizer,
+        zero3_live_parameters=live,
+        logits_and_loss=logits,
+        activations=activations(ckpt),
+        activations_other_setting=activations(not ckpt),
+        counts=counts,
+        gpus=gpus,
+        gpu_memory_gb=gpu_memory_gb,
+        stage=stage,
+        offload=offload,
+        method=method,
+        gradient_checkpointing=ckpt,
+    )
+
+
+def estimate_as_dict(e: Estimate) -> dict[str, Any]:
+    out = {k: v for k, v in dataclasses.asdict(e).items() if k != "counts"}
+    out.update(counts=dataclasses.asdict(e.counts), total=e.total, usable=e.usable, fits=e.fits)
+    return json.loads(json.dumps(out))

@@ -1,0 +1,84 @@
+"""`python launch/train.py --config ...` without a launcher (what people type to debug): a job of one
+process that just works, as with the HF Trainer; and evaluation makes one forward per batch."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.distributed.training_runs import (
+    REPO_ROOT,
+    TINY_RECIPE,
+    TRAIN_SCRIPT,
+    launch_env,
+    tiny_model_and_data,
+    train_args,
+    train_metrics,
+)
+
+pytestmark = [pytest.mark.distributed]
+
+LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(scope="module")
+def tiny_setup(tmp_path_factory):
+    return tiny_model_and_data(tmp_path_factory.mktemp("single"), "qwen2_vl", n=8, image_size=56)
+
+
+def no_launcher_env() -> dict[str, str]:
+    env = launch_env()
+    for name in LAUNCHER_VARIABLES:
+        env.pop(name, None)
+    return env
+
+
+def overrides(setup, name: str) -> dict[str, object]:
+    root, model_dir, data_file = setup
+    return {
+        "output_dir": root / name,
+        "model.name_or_path": model_dir,
+        "model.init": "random",
+        "model.dtype": "float32",
+        "data.train_file": data_file,
+        "data.eval_file": data_file,
+        "data.max_seq_len": 128,
+        "optim.name": "adamw_torch",
+        "optim.warmup_steps": 0,
+        "train.max_steps": 2,
+        "train.micro_batch_size": 2,
+        "train.global_batch_size": 4,
+        "train.eval_every": 2,
+        "train.export_at_end": "false",
+        "tracking.enabled": "false",
+    }
+
+
+@pytest.mark.timeout(600)
+def test_train_py_without_a_launcher_runs_a_one_process_job(tiny_setup):
+    over = overrides(tiny_setup, "no_launcher")
+    result = subprocess.run(
+        [sys.executable, str(TRAIN_SCRIPT), *train_args(TINY_RECIPE, over)],
+        cwd=REPO_ROOT, env=no_launcher_env(), capture_output=True, text=True, timeout=540,
+    )  # fmt: skip
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    assert "mpi4py" not in result.stderr
+    assert sorted(train_metrics(over["output_dir"])) == [1, 2]
+    assert sorted(train_metrics(over["output_dir"], split="eval")) == [2]
+
+
+@pytest.mark.timeout(600)
+def test_evaluation_makes_one_forward_per_batch(tiny_setup):
+    over = overrides(tiny_setup, "eval_probe")
+    result = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "tests" / "distributed" / "eval_forward_probe.py"),
+         *train_args(TINY_RECIPE, over)],
+        cwd=REPO_ROOT, env=no_launcher_env(), capture_output=True, text=True, timeout=540,
+    )  # fmt: skip
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    probe = json.loads(result.stdout.strip().splitlines()[-1])
+    # Under ZeRO-3 each forward gathers every parameter: the loss and the predictions share one.
+    assert probe["batches"] == 4 and probe["forwards"] == probe["batches"], probe

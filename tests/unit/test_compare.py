@@ -1,0 +1,73 @@
+"""launch/compare.py's aggregation on hand-computed cases: mean +- sample std over seeds, the change
+against the baseline, failed runs kept in the table, loss specs with their own overrides."""
+
+import importlib.util
+import math
+import sys
+
+import pytest
+
+from tests.conftest import REPO_ROOT
+
+
+@pytest.fixture(scope="module")
+def compare():
+    spec = importlib.util.spec_from_file_location("compare_entry", REPO_ROOT / "launch" / "compare.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run(compare, label, seed, status="ok", **metrics):
+    return compare.RunResult(
+        label=label,
+        loss=label.split(":")[0],
+        seed=seed,
+        output_dir=f"runs/{label}-{seed}",
+        status=status,
+        train_s=10.0 + seed,
+        metrics=metrics,
+    )
+
+
+def test_loss_specs_and_seeds(compare):
+    assert compare.parse_loss_specs("ce, ntil:loss.ntil_lambda=0.6") == [
+        ("ce", "ce", ["loss.name=ce"]),
+        ("ntil:loss.ntil_lambda=0.6", "ntil", ["loss.name=ntil", "loss.ntil_lambda=0.6"]),
+    ]
+    with pytest.raises(SystemExit, match="distinct"):
+        compare.parse_loss_specs("ce,ce")
+    assert compare.parse_seeds("0,1,2") == [0, 1, 2]
+    with pytest.raises(SystemExit, match="integers"):
+        compare.parse_seeds("0,a")
+
+
+def test_summary_mean_std_change_and_failed_runs(compare):
+    runs = [
+        _run(compare, "ce", 0, abs_error=10.0, parse_rate=1.0),
+        _run(compare, "ce", 1, abs_error=14.0, parse_rate=0.5),
+        _run(compare, "ntil", 0, abs_error=6.0, parse_rate=1.0),
+        _run(compare, "ntil", 1, abs_error=9.0, parse_rate=None),  # nothing parsed: no value, not a zero
+        _run(compare, "ntil", 2, status="failed"),
+    ]
+    runs[-1].stage, runs[-1].error = "train", "exit code 1; last lines:\nboom"
+    metrics = ("abs_error", "parse_rate")
+    summary = compare.summarize(runs, metrics)
+    assert summary["ce"]["abs_error"] == {"mean": 12.0, "std": pytest.approx(math.sqrt(8)), "n": 2}
+    assert summary["ntil"]["abs_error"]["mean"] == 7.5 and summary["ntil"]["abs_error"]["n"] == 2
+    assert summary["ntil"]["parse_rate"] == {"mean": 1.0, "std": 0.0, "n": 1}
+    assert summary["ntil"]["train_s"]["mean"] == 10.5  # the failed run's time is not averaged in
+    assert compare.change_vs(summary, "ntil", "ce", "abs_error") == pytest.approx(7.5 / 12 - 1)
+    table = compare.table_markdown(runs, summary, metrics, "ce")
+    assert "| ce | 2/2 | 12 ± 2.8 | 0.75 ± 0.35 | 10.5 ± 0.71 |  |" in table
+    assert "| ntil | 2/3 | 7.5 ± 2.1 |" in table and "| -37.5% |" in table
+    assert "- ntil seed 2: train failed: boom (see runs/ntil-2)" in table
+
+
+def test_metric_keys_are_valid_for_mlflow(compare):
+    assert compare.metric_key("test/acc@0.5") == "test/acc_at_0.5"
+    assert (
+        compare.metric_key("ntil_loss.ntil_lambda=0.6/abs_error_mean")
+        == "ntil_loss.ntil_lambda_0.6/abs_error_mean"
+    )

@@ -1,0 +1,214 @@
+"""The memory estimator against independent references: DeepSpeed's own ZeRO estimators and parameter
+counting, tensors a real tiny model saves for backward, the published sizes of the flagship models, and
+the numbers written in the recipes' headers."""
+
+import re
+
+import pytest
+import torch
+
+from ntil_ds.config import load_config
+from ntil_ds.model.memory import (
+    GIB,
+    KNOWN_CONFIGS,
+    activation_bytes_per_token,
+    count_parameters,
+    estimate,
+    hf_config_for,
+)
+from ntil_ds.model.tiny import build_tiny_model_folder
+from tests.conftest import REPO_ROOT
+
+RECIPES = sorted((REPO_ROOT / "configs" / "train").glob("*.yaml"))
+
+
+def _cfg(model, *overrides):
+    return load_config(None, [f"model.name_or_path={model}", "data.train_file=x", *overrides])
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny_mem")
+    return {kind: build_tiny_model_folder(kind, root / kind) for kind in ("qwen2_vl", "gemma3")}
+
+
+@pytest.mark.parametrize("kind", ["qwen2_vl", "gemma3"])
+def test_parameter_counts_equal_deepspeeds_count_of_the_real_model(tiny, kind):
+    from deepspeed.runtime.zero.stage3 import model_to_params
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(tiny[kind]))
+    total, largest = model_to_params(model)  # tied weights once, as DeepSpeed counts them
+    counts, _ = count_parameters(_cfg(tiny[kind]))
+    assert (counts.total, counts.largest_module, counts.trainable) == (total, largest, total)
+
+
+# Published sizes (model cards / config.json totals), billions of parameters.
+PUBLISHED_B = {
+    "Qwen/Qwen2-VL-2B-Instruct": 2.21,
+    "Qwen/Qwen2-VL-7B-Instruct": 8.29,
+    "Qwen/Qwen2.5-VL-7B-Instruct": 8.29,
+    "Qwen/Qwen3-VL-8B-Instruct": 8.77,
+    "google/gemma-3-4b-it": 4.30,
+    "llava-hf/llava-1.5-7b-hf": 7.06,
+    "Qwen/Qwen2.5-7B-Instruct": 7.62,
+}
+
+
+@pytest.mark.parametrize("name", sorted(KNOWN_CONFIGS))
+def test_shipped_dimensions_give_the_published_sizes(name):
+    counts, _ = count_parameters(_cfg(name))
+    assert counts.total / 1e9 == pytest.approx(PUBLISHED_B[name], abs=0.006)
+
+
+@pytest.mark.parametrize(
+    ("ds_json", "gpus"),
+    [
+        ({"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 0, "stage3_max_live_parameters": 0}}, 4),
+        ({"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 0, "stage3_max_live_parameters": 0}}, 16),
+        ({"zero_optimization": {"stage": 2}}, 8),
+        ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, 8),
+        (
+            {
+                "zero_optimization": {
+                    "stage": 3,
+                    "stage3_prefetch_bucket_size": 0, "stage3_max_live_parameters": 0,
+                    "offload_optimizer": {"device": "cpu"},
+                    "offload_param": {"device": "cpu"},
+                }
+            },
+            8,
+        ),
+        (
+            {"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 0, "stage3_max_live_parameters": 0, "offload_optimizer": {"device": "cpu"}}},
+            8,
+        ),
+    ],
+)
+def test_full_fine_tuning_model_states_equal_deepspeeds_estimators(ds_json, gpus):
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    cfg = _cfg("Qwen/Qwen2-VL-7B-Instruct")  # every parameter trains
+    result = estimate(cfg, ds_json, gpus=gpus, gpu_memory_gb=80)
+    c = result.counts
+    assert c.trainable == c.total
+    zero = ds_json["zero_optimization"]
+    offload_opt, offload_par = "offload_optimizer" in zero, "offload_param" in zero
+    if zero["stage"] == 3:
+        _, gpu, _ = estimate_zero3_model_states_mem_needs(
+            c.total, c.largest_module, num_gpus_per_node=gpus, cpu_offload=offload_opt, cpu_offload_params=offload_par
+        )
+    else:
+        _, gpu = estimate_zero2_model_states_mem_needs(c.total, num_gpus_per_node=gpus, cpu_offload=offload_opt)
+    assert result.model_states() == pytest.approx(gpu, rel=1e-9, abs=2)
+
+
+def test_lora_and_qlora_shrink_what_they_should():
+    name = "Qwen/Qwen3-VL-8B-Instruct"
+    ds = {"zero_optimization": {"stage": 3}}
+    full = estimate(_cfg(name, "model.freeze_vision_tower=true"), ds, gpus=2, gpu_memory_gb=48)
+    lora = estimate(_cfg(name, "model.freeze_vision_tower=true", "lora.enabled=true"), ds, gpus=2, gpu_memory_gb=48)
+    qlora = estimate(
+        _cfg(name, "model.freeze_vision_tower=true", "lora.enabled=true", "lora.quantize=nf4"),
+        ds,
+        gpus=2,
+        gpu_memory_gb=48,
+    )
+    # LoRA trains the adapters, lm_head (4096 x 151936) and the projectors: under 10 % of the model
+    assert lora.counts.trainable < 0.1 * full.counts.trainable
+    # + adapters, and the trained copies of lm_head and the projectors (peft keeps the originals)
+    assert full.weights < lora.weights < 1.1 * full.weights
+    assert lora.optimizer_states < 0.1 * full.optimizer_states
+    assert qlora.counts.trainable == lora.counts.trainable
+    assert qlora.weights < 0.45 * lora.weights  # 4-bit linear layers; embeddings and head stay 16-bit
+    assert qlora.total < lora.total < full.total
+
+
+def _saved_bytes_per_token(model, tokens, vocab):
+    """Bytes of the tensors autograd keeps for backward during one forward (parameters excluded)."""
+    seen = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    ids = torch.randint(0, vocab, (1, tokens))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids=ids)
+    return sum(v for k, v in seen.items() if k not in params) / tokens
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_activation_formula_matches_what_a_real_model_saves(checkpointing):
+    """Dimensions unlike the ones the constants were measured on; per-layer bytes from 1 vs 3 layers."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    def measured(layers):
+        config = Qwen2Config(
+            vocab_size=300, hidden_size=96, intermediate_size=320, num_hidden_layers=layers,
+            num_attention_heads=6, num_key_value_heads=3, tie_word_embeddings=False,
+        )  # fmt: skip
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.bfloat16).train()
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return _saved_bytes_per_token(model, 128, 300), config
+
+    one, _ = measured(1)
+    three, config = measured(3)
+    per_layer = (three - one) / 2
+    kept, _ = activation_bytes_per_token(config, "bfloat16", checkpointing)
+    assert kept / 3 == pytest.approx(per_layer, rel=0.1)
+
+
+def test_recipe_headers_state_the_estimators_numbers():
+    """Every recipe for GPUs carries the tool's line for the GPUs it names, and that says it fits."""
+    import json
+
+    checked = 0
+    for recipe in RECIPES:
+        text = recipe.read_text()
+        match = re.search(
+            r"# launch/estimate\.py --gpus (\d+) --gpu-memory-gb (\d+): ([\d.]+) GiB of ([\d.]+) GiB per GPU \((\w+)\)",
+            text,
+        )
+        if "GPUs:" not in text:
+            continue
+        assert match, f"{recipe.name}: no '# launch/estimate.py --gpus N --gpu-memory-gb G: ...' line"
+        gpus, memory = int(match.group(1)), float(match.group(2))
+        cfg = load_config(recipe)
+        result = estimate(cfg, json.loads((REPO_ROOT / cfg.deepspeed).read_text()), gpus, memory)
+        assert float(match.group(3)) == pytest.approx(result.total / GIB, abs=0.051), recipe.name
+        assert float(match.group(4)) == pytest.approx(result.usable / GIB, abs=0.051), recipe.name
+        assert match.group(5) == "fits" and result.fits, recipe.name
+        checked += 1
+    assert checked >= 6
+
+
+def _cli():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("estimate_cli", REPO_ROOT / "launch" / "estimate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
+
+
+def test_cli_prints_the_breakdown_and_exits_by_fit(capsys):
+    main = _cli()
+    recipe = str(REPO_ROOT / "configs" / "train" / "qwen2vl_2b_clock.yaml")
+    assert main([recipe, "--gpus", "4", "--gpu-memory-gb", "24"]) == 0
+    out = capsys.readouterr().out
+    for part in ("weights", "gradients", "optimizer states", "ZeRO-3 live parameters", "logits and loss",
+                 "activations (checkpointing on)", "activations with checkpointing off", "fits"):  # fmt: skip
+        assert part in out, part
+    assert main([recipe, "--gpus", "1", "--gpu-memory-gb", "8", "train.micro_batch_size=4"]) == 1
+    assert "does NOT fit" in capsys.readouterr().out
+    assert main([recipe, "--gpus", "1", "--gpu-memory-gb", "8", "model.name_or_path=org/unknown"]) == 2
+    assert "config.json" in capsys.readouterr().err
+
+
+def test_local_folder_config_is_read(tiny):
+    assert hf_config_for(str(tiny["gemma3"])).model_type == "gemma3"

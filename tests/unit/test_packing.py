@@ -1,0 +1,215 @@
+"""Sequence packing is exact: a packed row gives every sample the logits, loss and gradients it gets alone.
+
+For each model kind the project trains (tiny random Qwen2-VL, Qwen2.5-VL, LLaVA, Qwen2; real
+transformers classes, sdpa attention, float32), the same samples go through the model twice: padded one
+per row (`Collator`, the reference) and packed into one row (`PackedCollator`). Compared: each sample's
+logits, NTILLoss's every output (with unpack_index), and every parameter's gradient. Mixed image/text
+samples, and a text-only micro-batch (the fake image then sits in the packed row as its own segment).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from ntil_ds.data import Collator, ConversationDataset, load_processor, tokenizer_of
+from ntil_ds.data.packing import PACKING_KEYS, PackedCollator, plan_micro_batches
+from ntil_ds.loss import NTILLoss, digit_token_ids_from_tokenizer
+from ntil_ds.model.packing import check_packing_supported, rope_fn_for
+from ntil_ds.model.tiny import build_tiny_model_folder
+from tests.distributed.training_runs import write_mixed_arithmetic_data
+
+KINDS = ("qwen2_vl", "qwen2_5_vl", "llava", "qwen2")
+
+
+def _text_only_data(out_dir: Path, n: int) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for i in range(n):
+        a, b = 17 * i + 3, 29 * i + 11
+        lines.append({"messages": [{"role": "user", "content": f"What is {a} + {b}?"},
+                                   {"role": "assistant", "content": str(a + b)}]})  # fmt: skip
+    path = out_dir / "train.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def setup(request, tmp_path_factory):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    kind = request.param
+    root = tmp_path_factory.mktemp(f"packing_{kind}")
+    folder = build_tiny_model_folder(kind, root / "model")
+    data = (
+        _text_only_data(root / "data", 12)
+        if kind == "qwen2"
+        else write_mixed_arithmetic_data(root / "data", n=12, image_size=56)
+    )
+    processor = load_processor(folder)
+    dataset = ConversationDataset(data, processor, max_seq_len=256)
+    config = AutoConfig.from_pretrained(folder)
+    auto = AutoModelForCausalLM if kind == "qwen2" else AutoModelForImageTextToText
+    torch.manual_seed(0)
+    model = auto.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    loss = NTILLoss(digit_token_ids_from_tokenizer(tokenizer_of(processor)), gumbel_noise_scale=0.0)
+    return kind, processor, dataset, model, loss
+
+
+def _shift(labels: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
+
+
+def _run(model, loss_fn, batch: dict, packed: bool):
+    model.zero_grad(set_to_none=True)
+    inputs = {k: v for k, v in batch.items() if k not in ("labels", *PACKING_KEYS)}
+    if packed:
+        inputs.pop("attention_mask")  # packing: boundaries come from position_ids
+    logits = model(**inputs, use_cache=False).logits
+    out = loss_fn(logits, _shift(batch["labels"]), unpack_index=batch.get("unpack_index"))
+    out.loss_sum.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return logits.detach(), out, grads
+
+
+# index sets: mixed image/text; text only (fake image); one sample
+GROUPS = ([0, 1, 2, 3, 8], [4, 5, 6, 7], [1])
+
+
+@pytest.mark.parametrize("row_tokens", [None, 100], ids=("one_row", "rows_of_100"))
+@pytest.mark.parametrize("ids", GROUPS, ids=("mixed", "text_only", "single"))
+def test_packed_equals_unpacked(setup, ids, row_tokens):
+    kind, processor, dataset, model, loss_fn = setup
+    samples = [dataset[i] for i in ids]
+    for sample in samples:  # a labelled first token (templates never make one): unpacked, no position
+        sample["labels"] = sample["labels"].clone()  # predicts it; packed, the previous sample must not
+        sample["labels"][0] = sample["input_ids"][0]
+    reference = Collator(processor, fake_image=True)(samples)
+    packed = PackedCollator(processor, fake_image=True, rope_fn=rope_fn_for(model), row_tokens=row_tokens)(
+        samples
+    )
+    rows = packed["input_ids"].shape[0]
+    assert rows == 1 if row_tokens is None else rows > 1 or len(ids) == 1
+    if kind in ("qwen2_vl", "qwen2_5_vl"):
+        assert packed["position_ids"].shape[:2] == (4, rows)  # text positions + 3-D M-RoPE ones
+
+    logits_u, out_u, grads_u = _run(model, loss_fn, reference, packed=False)
+    logits_p, out_p, grads_p = _run(model, loss_fn, packed, packed=True)
+
+    flat = logits_p.flatten(0, 1)
+    for row, (sample, index) in enumerate(zip(samples, packed["unpack_index"], strict=True)):
+        n = len(sample["input_ids"])
+        assert (index >= 0).sum() == n
+        torch.testing.assert_close(flat[index[:n]], logits_u[row, :n], rtol=1e-5, atol=1e-5)
+    for field in ("loss", "ce_sum", "ntil", "emd", "rel", "mag", "num_tokens", "loss_sum"):
+        torch.testing.assert_close(getattr(out_p, field), getattr(out_u, field), rtol=1e-5, atol=1e-6)
+    assert out_u.num_tokens > 0
+    assert grads_u.keys() == grads_p.keys()
+    for name, grad in grads_u.items():
+        # float32 sums in another order: equal to ~1e-7 of the tensor's scale (wrong masks or positions
+        # give differences of order 1)
+        error = (grads_p[name] - grad).abs().max()
+        assert error <= 1e-5 * grad.abs().max() + 1e-8, f"{name}: max |diff| {error:.3g}"
+
+
+def test_without_unpack_index_numbers_of_adjacent_samples_would_mix(setup):
+    """The per-sample number terms need unpack_index: without it a row of several answers is one
+    sequence and NTIL's per-sequence means change (this is what the keyword is for)."""
+    _, processor, dataset, model, loss_fn = setup
+    samples = [dataset[i] for i in GROUPS[0]]
+    packed = PackedCollator(processor, fake_image=True, rope_fn=rope_fn_for(model))(samples)
+    _, out_p, _ = _run(model, loss_fn, packed, packed=True)
+    no_index = {k: v for k, v in packed.items() if k != "unpack_index"}
+    _, out_rows, _ = _run(model, loss_fn, no_index, packed=True)
+    torch.testing.assert_close(out_rows.ce_sum, out_p.ce_sum)
+    assert not torch.isclose(out_rows.ntil, out_p.ntil)
+
+
+def test_packed_labels_start_each_sample_ignored(setup):
+    _, processor, dataset, model, _ = setup
+    samples = [dataset[i] for i in GROUPS[1]]
+    packed = PackedCollator(processor, fake_image=True, rope_fn=rope_fn_for(model))(samples)
+    starts = torch.tensor([0] + [len(s["input_ids"]) for s in samples[:-1]]).cumsum(0)
+    assert (packed["labels"][0, starts] == -100).all()
+    # every sample's last shifted position is ignored: no digit run can reach into the next sample
+    index = packed["unpack_index"]
+    last = index.gather(1, (index >= 0).sum(1, keepdim=True) - 1).squeeze(1)
+    assert (_shift(packed["labels"]).flatten()[last] == -100).all()
+
+
+def test_plan_micro_batches():
+    assert plan_micro_batches([3, 3, 3, 3], max_tokens=6) == [[0, 1], [2, 3]]
+    assert plan_micro_batches([5, 2, 4, 1], max_tokens=6) == [[0], [1, 2], [3]]
+    # a rank with fewer groups than another splits its largest until the counts match
+    assert plan_micro_batches([3, 3, 3, 3], max_tokens=100, min_count=3) == [[0], [1], [2, 3]]
+    with pytest.raises(ValueError, match="exceeds data.max_tokens_per_micro_batch"):
+        plan_micro_batches([3, 9], max_tokens=6)
+
+
+def test_unverified_model_type_is_refused():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from ntil_ds.config import ConfigError
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16))
+    with pytest.raises(ConfigError, match="max_tokens_per_micro_batch=0"):
+        check_packing_supported(model)
+
+
+@pytest.fixture(scope="module")
+def text_dataset(tmp_path_factory):
+    root = tmp_path_factory.mktemp("steps")
+    folder = build_tiny_model_folder("qwen2", root / "model")
+    processor = load_processor(folder)
+    return processor, ConversationDataset(_text_only_data(root / "data", 24), processor, max_seq_len=64)
+
+
+def test_step_batches_agree_across_ranks_and_resume_exactly(text_dataset):
+    """Every rank plans the same number of packed micro-batches per step from the same stream; a loader
+    started from a resumed sampler yields exactly the steps the first one yields there; workers keep
+    the order."""
+    from ntil_ds.data import ResumableDistributedSampler
+    from ntil_ds.data.steps import StepBatches, step_loader
+
+    processor, dataset = text_dataset
+    collate = PackedCollator(processor)
+    lengths = [dataset.num_tokens(i) for i in range(len(dataset))]
+    # (lengths 42-47) a pair fits only when one is below the median: ranks need different row counts
+    budget = 2 * sorted(lengths)[len(lengths) // 2] - 1
+
+    def steps_of(rank: int, consumed: int = 0) -> StepBatches:
+        sampler = ResumableDistributedSampler(len(dataset), dp_rank=rank, dp_size=2, seed=3)
+        sampler.skip(consumed // 2)
+        return StepBatches(
+            dataset, sampler, collate, samples_per_rank=5, micro_batch_size=1, max_tokens=budget
+        )
+
+    ranks = [steps_of(0), steps_of(1)]
+    uneven = 0
+    for k in range(6):  # 6 steps x 10 samples: crosses an epoch boundary (24 samples)
+        groups = [r.step_groups(k) for r in ranks]
+        assert len(groups[0]) == len(groups[1])
+        # what each rank would need alone (its groups flattened are its samples in stream order)
+        flat = [list(itertools.chain.from_iterable(gs)) for gs in groups]
+        alone = [len(plan_micro_batches([lengths[i] for i in ids], budget)) for ids in flat]
+        uneven += alone[0] != alone[1]
+        stream = ResumableDistributedSampler(len(dataset), 0, 1, seed=3).indices_at(10 * k, 10)
+        assert sorted(flat[0] + flat[1]) == sorted(stream)
+        for g in groups[0]:
+            assert len(g) == 1 or sum(lengths[i] for i in g) <= budget
+    assert uneven  # the equalizing split was exercised
+
+    resumed = steps_of(0, consumed=3 * 10)  # after 3 steps of 10 samples (both ranks)
+    for k in range(3):
+        assert resumed.step_groups(k) == ranks[0].step_groups(3 + k)
+    direct = [ranks[0][k] for k in range(3)]
+    with_worker = step_loader(ranks[0], num_workers=1, pin_memory=False)
+    for expected in direct:
+        got = next(with_worker)
+        assert [ids for ids, _ in got] == [ids for ids, _ in expected]
+        for (_, a), (_, b) in zip(got, expected, strict=True):
+            assert a.keys() == b.keys() and all(torch.equal(a[key], b[key]) for key in a)
