@@ -14,6 +14,7 @@ from tests.distributed.training_runs import (
     TINY_RECIPE,
     TRAIN_SCRIPT,
     launch_env,
+    tiny_job_overrides,
     tiny_model_and_data,
     train_args,
     train_metrics,
@@ -38,23 +39,8 @@ def no_launcher_env() -> dict[str, str]:
 
 def overrides(setup, name: str) -> dict[str, object]:
     root, model_dir, data_file = setup
-    return {
-        "output_dir": root / name,
-        "model.name_or_path": model_dir,
-        "model.init": "random",
-        "model.dtype": "float32",
-        "data.train_file": data_file,
-        "data.eval_file": data_file,
-        "data.max_seq_len": 128,
-        "optim.name": "adamw_torch",
-        "optim.warmup_steps": 0,
-        "train.max_steps": 2,
-        "train.micro_batch_size": 2,
-        "train.global_batch_size": 4,
-        "train.eval_every": 2,
-        "train.export_at_end": "false",
-        "tracking.enabled": "false",
-    }
+    extra = {"data.eval_file": data_file, "train.max_steps": 2, "train.eval_every": 2}
+    return tiny_job_overrides(root / name, model_dir, data_file, **extra)
 
 
 @pytest.mark.timeout(600)

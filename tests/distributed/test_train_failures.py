@@ -17,6 +17,7 @@ from tests.distributed.training_runs import (
     TRAIN_SCRIPT,
     launch_env,
     run_training,
+    tiny_job_overrides,
     tiny_model_and_data,
     train_args,
     train_metrics,
@@ -31,33 +32,26 @@ def tiny_setup(tmp_path_factory):
 
 
 def overrides(root: Path, model_dir: Path, data_file: Path, name: str, **extra: object) -> dict[str, object]:
-    return {
-        "output_dir": root / name,
-        "model.name_or_path": model_dir,
-        "model.init": "random",
-        "model.dtype": "float32",
-        "data.train_file": data_file,
-        "data.eval_file": "",
-        "data.max_seq_len": 128,
-        "data.shuffle": "false",
-        "optim.name": "adamw_torch",
-        "optim.warmup_steps": 0,
-        "train.max_steps": 4,
-        "train.micro_batch_size": 2,
-        "train.global_batch_size": 8,
-        "train.save_every": 1,
-        "train.export_at_end": "false",
-        "tracking.enabled": "false",
-        **extra,
-    }
+    return tiny_job_overrides(
+        root / name, model_dir, data_file, **{"train.global_batch_size": 8, "train.save_every": 1, **extra}
+    )
+
+
+def assert_weights_are_those_after_step_1(out: Path) -> None:
+    """The weights the stopped job exported equal the step-1 checkpoint: the optimizer never applied
+    the step that went non-finite."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from transformers import AutoModelForImageTextToText
+
+    after_step_1 = get_fp32_state_dict_from_zero_checkpoint(str(out / "checkpoints"), tag="step_00000001")
+    after_nan = AutoModelForImageTextToText.from_pretrained(out / "after_nan", dtype=torch.float32).state_dict()
+    for name, value in after_step_1.items():
+        assert torch.equal(after_nan[name], value), name
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_nan_loss_stops_before_the_optimizer_step_naming_step_rank_and_batch(tiny_setup):
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-    from transformers import AutoModelForImageTextToText
-
     root, model_dir, data_file = tiny_setup
     out = root / "nan"
     result = run_training(
@@ -74,21 +68,12 @@ def test_nan_loss_stops_before_the_optimizer_step_naming_step_rank_and_batch(tin
     # Both ranks stopped with the same diagnosis (rank 0 saw a finite loss itself).
     assert log.count("non-finite loss at step 2") >= 2
     assert sorted(train_metrics(out)) == [1]  # step 2 never completed
-    # The weights are exactly those after step 1: the optimizer did not apply the NaN gradients.
-    after_step_1 = get_fp32_state_dict_from_zero_checkpoint(str(out / "checkpoints"), tag="step_00000001")
-    after_nan = AutoModelForImageTextToText.from_pretrained(
-        out / "after_nan", dtype=torch.float32
-    ).state_dict()
-    for name, value in after_step_1.items():
-        assert torch.equal(after_nan[name], value), name
+    assert_weights_are_those_after_step_1(out)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_nan_gradient_with_a_finite_loss_stops_before_the_optimizer_step(tiny_setup):
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-    from transformers import AutoModelForImageTextToText
-
     root, model_dir, data_file = tiny_setup
     out = root / "nan_grad"
     result = run_training(
@@ -103,12 +88,7 @@ def test_nan_gradient_with_a_finite_loss_stops_before_the_optimizer_step(tiny_se
     # Every rank stopped (ZeRO-3 partitions the NaN gradient over both ranks' optimizer shards).
     assert log.count("non-finite gradient at step 2") >= 2
     assert sorted(train_metrics(out)) == [1]
-    after_step_1 = get_fp32_state_dict_from_zero_checkpoint(str(out / "checkpoints"), tag="step_00000001")
-    after_nan = AutoModelForImageTextToText.from_pretrained(
-        out / "after_nan", dtype=torch.float32
-    ).state_dict()
-    for name, value in after_step_1.items():
-        assert torch.equal(after_nan[name], value), name
+    assert_weights_are_those_after_step_1(out)
 
 
 @pytest.mark.timeout(200)

@@ -77,9 +77,19 @@ def uninterrupted_run(qwen_setup):
 
 
 @pytest.mark.timeout(1200)
-def test_ntil_loss_falls_on_mixed_text_and_image_batches(uninterrupted_run):
+def test_ntil_loss_falls_on_mixed_text_and_image_batches(qwen_setup, uninterrupted_run):
     out, log = uninterrupted_run
     metrics = train_metrics(out)
+    # NTIL's gradient reaches the weights: the same first step under plain CE (same weights, data and
+    # CE value) has another gradient. (The logged loss is (1 + lambda) x CE by construction and falls
+    # with CE alone, so the loss curve below cannot show this.)
+    root, model_dir, data_file = qwen_setup
+    ce_out = root / "ce_one_step"
+    ce = run_training({**base_overrides(model_dir, data_file, ce_out), "loss.name": "ce", "train.max_steps": 1})
+    assert ce.returncode == 0, ce.stdout[-4000:]
+    ce_step = train_metrics(ce_out)[1]
+    assert ce_step["ce"] == pytest.approx(metrics[1]["ce"], rel=1e-6)
+    assert ce_step["grad_norm"] != pytest.approx(metrics[1]["grad_norm"], rel=1e-3), (ce_step, metrics[1])
     assert sorted(metrics) == list(range(1, STEPS + 1))
     for record in metrics.values():
         for key in STEP_KEYS:

@@ -127,6 +127,29 @@ def kill_after_checkpoint(
             job.wait(timeout=60)
 
 
+def tiny_job_overrides(out: Path, model_dir: Path, data_file: Path, **extra: object) -> dict[str, object]:
+    """A short fp32 job on a tiny model folder: fixed sample order, no eval, export or tracking, 4 steps
+    of 4 samples (2 ranks x micro-batch 2). Tests change what they check through ``extra``."""
+    return {
+        "output_dir": out,
+        "model.name_or_path": model_dir,
+        "model.init": "random",
+        "model.dtype": "float32",
+        "data.train_file": data_file,
+        "data.eval_file": "",
+        "data.max_seq_len": 128,
+        "data.shuffle": "false",
+        "optim.name": "adamw_torch",
+        "optim.warmup_steps": 0,
+        "train.max_steps": 4,
+        "train.micro_batch_size": 2,
+        "train.global_batch_size": 4,
+        "train.export_at_end": "false",
+        "tracking.enabled": "false",
+        **extra,
+    }
+
+
 def tiny_model_and_data(root: Path, kind: str, n: int, image_size: int) -> tuple[Path, Path, Path]:
     """``(root, model folder, train JSONL)``: a tiny random ``kind`` model folder and mixed text/image
     arithmetic data (see :func:`write_mixed_arithmetic_data`) under ``root``."""

@@ -25,6 +25,7 @@ from tests.distributed.training_runs import (
     launch_env,
     launcher_command,
     run_training,
+    tiny_job_overrides,
     tiny_model_and_data,
     train_args,
     train_metrics,
@@ -42,25 +43,7 @@ def tiny_setup(tmp_path_factory):
 
 def overrides(setup, name: str, **extra: object) -> dict[str, object]:
     root, model_dir, data_file = setup
-    return {
-        "output_dir": root / name,
-        "model.name_or_path": model_dir,
-        "model.init": "random",
-        "model.dtype": "float32",
-        "data.train_file": data_file,
-        "data.eval_file": "",
-        "data.max_seq_len": 128,
-        "data.shuffle": "false",
-        "optim.name": "adamw_torch",
-        "optim.lr": 0.001,
-        "optim.warmup_steps": 0,
-        "train.max_steps": 4,
-        "train.micro_batch_size": 2,
-        "train.global_batch_size": 4,
-        "train.export_at_end": "false",
-        "tracking.enabled": "false",
-        **extra,
-    }
+    return tiny_job_overrides(root / name, model_dir, data_file, **{"optim.lr": 0.001, **extra})
 
 
 def losses(out: Path) -> dict[int, float]:
