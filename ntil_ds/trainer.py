@@ -395,15 +395,16 @@ class Trainer:
             self._raise_non_finite(micro_batches, micro_loss_sums, non_finite.tolist())
         # A finite loss can still give a NaN/Inf gradient (an overflow in the backward); in bf16/fp32
         # DeepSpeed would apply it and every weight would turn NaN. A collective check, before the step.
+        tp = self.dist.tp_size
+        loss = reduced[0] / tp / max(global_labelled, 1.0)
         if not self.engine.gradients_are_finite():
-            self._raise_non_finite_gradient(micro_batches, reduced[0] / self.dist.tp_size / max(global_labelled, 1.0))
+            self._raise_non_finite_gradient(micro_batches, loss)
         self.engine.step()  # the accumulation boundary: clip, optimizer step, schedule
 
         elapsed = time.perf_counter() - started
-        tp = self.dist.tp_size
         means_over = len(micro_batches) * self.dist.world_size  # TP copies are equal: a mean over DP ranks
         return {
-            "loss": reduced[0] / tp / max(global_labelled, 1.0),
+            "loss": loss,
             "ce": reduced[1] / tp / max(global_labelled, 1.0),
             "ntil": reduced[2] / means_over,
             "emd": reduced[3] / means_over,
