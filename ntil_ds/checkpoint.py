@@ -3,6 +3,7 @@
 Layout under ``<output_dir>/checkpoints/step_00000030/``:
 
 - DeepSpeed's files (every rank's ZeRO partition of weights and optimizer state, the LR schedule);
+  LoRA on pretrained weights leaves the frozen base out (:func:`saves_frozen_weights`);
 - ``rng_rank{r}.pt``: each rank's random-number states (python, numpy, torch, cuda);
 - ``trainer_state.json``: step, data position, tracker run id (written by rank 0);
 - ``config.yaml``: the resolved config of the run that wrote it (a resume with a different recipe is an
@@ -194,6 +195,18 @@ def check_resume_config(checkpoint: Path, cfg: Config) -> None:
     )
 
 
+def saves_frozen_weights(cfg: Config) -> bool:
+    """Whether checkpoints hold the frozen weights too.
+
+    Not for LoRA on pretrained weights: the frozen base is read again from ``model.name_or_path`` when the
+    job resumes (the resume check keeps that path), so a checkpoint holds what trains (adapters,
+    ``lora.modules_to_save``, their optimizer state): megabytes instead of a copy of the model per save.
+    A random base (``model.init=random``) exists nowhere else, and full fine-tuning keeps DeepSpeed's
+    complete checkpoints (``zero_to_fp32`` rebuilds the whole model from them).
+    """
+    return not (cfg.lora.enabled and cfg.model.init == "pretrained")
+
+
 def save_checkpoint(
     engine: TrainingEngine, cfg: Config, state: TrainerState, dist_info: DistInfo, keep_last: int
 ) -> Path:
@@ -210,7 +223,9 @@ def save_checkpoint(
         shutil.rmtree(path)
     _barrier()
     try:
-        engine.save_checkpoint(root, tag, client_state={"trainer_state": asdict(state)})
+        engine.save_checkpoint(
+            root, tag, client_state={"trainer_state": asdict(state)}, with_frozen=saves_frozen_weights(cfg)
+        )
         torch.save(_rng_states(), path / f"rng_rank{dist_info.rank}.pt")
         if dist_info.is_main:
             (path / TRAINER_STATE_FILE).write_text(json.dumps(asdict(state), indent=2) + "\n")

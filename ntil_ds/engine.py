@@ -332,14 +332,31 @@ class TrainingEngine:
 
     # -- checkpoints and export -------------------------------------------------------------------------
 
-    def save_checkpoint(self, save_dir: str | Path, tag: str, client_state: dict[str, Any]) -> None:
-        """Collective: every rank writes its partition of weights and optimizer state."""
-        self.engine.save_checkpoint(str(save_dir), tag=tag, client_state=client_state, save_latest=False)
+    def save_checkpoint(
+        self, save_dir: str | Path, tag: str, client_state: dict[str, Any], with_frozen: bool = True
+    ) -> None:
+        """Collective: every rank writes its partition of weights and optimizer state (``with_frozen``:
+        the frozen parameters too; without them, :meth:`load_checkpoint` keeps the loaded ones)."""
+        self.engine.save_checkpoint(
+            str(save_dir),
+            tag=tag,
+            client_state=client_state,
+            save_latest=False,
+            exclude_frozen_parameters=not with_frozen,
+        )
 
     def load_checkpoint(self, load_dir: str | Path, tag: str) -> dict[str, Any]:
-        """Collective. Returns the client state saved with the checkpoint."""
+        """Collective. Returns the client state saved with the checkpoint.
+
+        Strict except for frozen parameters: a checkpoint saved without them keeps the ones the model was
+        loaded with; any other missing or unexpected weight is an error.
+        """
         path, client_state = self.engine.load_checkpoint(
-            str(load_dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
+            str(load_dir),
+            tag=tag,
+            load_optimizer_states=True,
+            load_lr_scheduler_states=True,
+            custom_load_fn=_load_weights_but_frozen_may_be_missing,
         )
         if path is None:
             raise FileNotFoundError(f"DeepSpeed found no checkpoint {tag!r} in {load_dir}")
@@ -354,3 +371,22 @@ class TrainingEngine:
     def gathered(self, params: Iterable[torch.nn.Parameter]) -> Any:
         """Context manager: the full values of ZeRO-3 partitioned params on every rank (read-only)."""
         return deepspeed.zero.GatheredParameters(list(params), modifier_rank=None)
+
+
+def _load_weights_but_frozen_may_be_missing(src: dict[str, torch.Tensor], dst: torch.nn.Module) -> None:
+    """DeepSpeed's module load (``custom_load_fn``), strict but for frozen parameters."""
+    result = dst.load_state_dict(src, strict=False)
+    frozen = {name for name, p in dst.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    missing = [name for name in result.missing_keys if name not in frozen]
+    # A 4-bit weight's quantization state ("<weight>.absmax", "<weight>.quant_state.bitsandbytes__nf4")
+    # is saved even when the frozen weight itself is left out; the loaded model has it already.
+    def quantized_weight(key: str) -> str:
+        return key.split(".quant_state.")[0] if ".quant_state." in key else key.rsplit(".", 1)[0]
+
+    unexpected = [name for name in result.unexpected_keys if quantized_weight(name) not in frozen]
+    if missing or unexpected:
+        raise RuntimeError(
+            "the checkpoint does not match the model: "
+            f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''} ({len(missing)}), "
+            f"unexpected {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''} ({len(unexpected)})"
+        )

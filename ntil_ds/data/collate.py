@@ -52,19 +52,46 @@ class Collator:
                     padded[row, : len(sample[key])] = sample[key]
             batch[key] = padded
         for key in sorted({k for s in samples for k in _image_keys(s)}):
-            batch[key] = torch.cat([s[key] for s in samples if key in s])
+            batch[key] = _concat_images([s[key] for s in samples if key in s])
         return batch
+
+
+def _concat_images(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The samples' per-image tensors, concatenated in sample order. Where they differ beyond the first
+    dimension (SmolVLM's pixels (1, tiles, 3, H, W) and pixel_attention_mask (1, tiles, H, W): one row per
+    sample, a varying number of tiles), each is zero-padded to the largest first, as the processor pads a
+    batch; SmolVLM skips all-zero tiles."""
+    shape = [max(t.shape[d] for t in tensors) for d in range(1, tensors[0].dim())]
+    padded = []
+    for tensor in tensors:
+        if list(tensor.shape[1:]) != shape:
+            grown = tensor.new_zeros((tensor.shape[0], *shape))
+            grown[tuple(slice(0, n) for n in tensor.shape)] = tensor
+            tensor = grown
+        padded.append(tensor)
+    return torch.cat(padded)
 
 
 def _image_keys(sample: dict) -> list[str]:
     return [k for k in sample if k not in PER_TOKEN_KEYS and k != "labels"]
 
 
+# Image-processor settings that keep the fake image to a single tile in families that would split it
+# (SmolVLM resizes every image up and splits it: 17 tiles of 81 tokens in SmolVLM2-2.2B; 1 without).
+# Applied where the image processor has the setting.
+_FAKE_IMAGE_ONE_TILE = {"do_image_splitting": False}
+
+
 def _fake_image_sample(processor) -> dict[str, torch.Tensor]:
     """The processor's output for one small blank image alone: its placeholder tokens and pixels."""
     image = Image.new("RGB", (28, 28), (0, 0, 0))  # the processor resizes it to its smallest size
+    one_tile = {k: v for k, v in _FAKE_IMAGE_ONE_TILE.items() if hasattr(processor.image_processor, k)}
     out = processor(
-        text=[processor.image_token], images=[image], return_tensors="pt", add_special_tokens=False
+        text=[processor.image_token],
+        images=[image],
+        return_tensors="pt",
+        add_special_tokens=False,
+        **one_tile,
     )
     sample = {k: (v[0] if k in PER_TOKEN_KEYS else v) for k, v in out.items() if isinstance(v, torch.Tensor)}
     sample["attention_mask"] = torch.zeros_like(sample["input_ids"])

@@ -10,6 +10,7 @@ video slot is built without it; images and text behave exactly as in the stock c
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import shutil
 from pathlib import Path
@@ -37,6 +38,7 @@ def load_processor(model_dir: str | Path):
             image_processor=AutoImageProcessor.from_pretrained(model_dir),
             tokenizer=AutoTokenizer.from_pretrained(model_dir),
             chat_template=_folder_chat_template(model_dir),
+            **_processor_settings(model_dir, processor_class),
         )
         processor.source_dir = model_dir  # (not saved: only __init__ arguments are)
         return processor
@@ -82,6 +84,17 @@ def _declared_processor_class(model_dir: Path):
     return getattr(transformers, name, None) if name else None
 
 
+def _processor_settings(model_dir: Path, processor_class: type) -> dict:
+    """The processor's own settings saved in processor_config.json (e.g. InternVL's image_seq_length, the
+    tokens per image tile), as AutoProcessor passes them: only the class's named __init__ arguments."""
+    config_file = model_dir / "processor_config.json"
+    if not config_file.is_file():
+        return {}
+    accepted = set(inspect.signature(processor_class.__init__).parameters) - {"self", "chat_template"}
+    accepted -= set(processor_class.get_attributes())  # the sub-processors are built separately
+    return {k: v for k, v in json.loads(config_file.read_text()).items() if k in accepted}
+
+
 def _folder_chat_template(model_dir: Path) -> str | None:
     template_file = model_dir / "chat_template.jinja"
     if template_file.is_file():
@@ -102,6 +115,12 @@ def _image_only_class(processor_class: type) -> type:
             self, image_processor, tokenizer, None, chat_template=chat_template, **kwargs
         )
 
+    # The stock signature less the video processor: transformers reads the sub-processors from it, and
+    # `to_dict` saves the other arguments it names (e.g. InternVL's image_seq_length).
+    stock = inspect.signature(processor_class.__init__)
+    unbuilt = set(processor_class.get_attributes()) - {"image_processor", "tokenizer"}
+    __init__.__signature__ = stock.replace(parameters=[p for p in stock.parameters.values() if p.name not in unbuilt])
+
     def save_pretrained(self, save_directory, *args, **kwargs):
         saved = processor_class.save_pretrained(self, save_directory, *args, **kwargs)
         # The video processor was never built here: carry its config over, so that the saved folder
@@ -111,9 +130,20 @@ def _image_only_class(processor_class: type) -> type:
             shutil.copyfile(video_config, Path(save_directory) / VIDEO_PROCESSOR_CONFIG)
         return saved
 
+    def apply_chat_template(self, conversation, chat_template=None, **kwargs):
+        # SmolVLM's own version reads video-sampling defaults from the (absent) video processor; without
+        # videos ProcessorMixin's renders the same text. (Qwen-VL and InternVL do not override it.)
+        from transformers import ProcessorMixin
+
+        return ProcessorMixin.apply_chat_template(self, conversation, chat_template, **kwargs)
+
     # Named like the stock class: save_pretrained writes that name, so saved folders load anywhere.
     return type(
         processor_class.__name__,
         (processor_class,),
-        {"__init__": __init__, "save_pretrained": save_pretrained},
+        {
+            "__init__": __init__,
+            "save_pretrained": save_pretrained,
+            "apply_chat_template": apply_chat_template,
+        },
     )

@@ -28,11 +28,16 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # Parameter-name markers of the parts the freeze flags address, across the model families we train
 # (transformers 5.x names): Qwen2-VL / Qwen2.5-VL / Qwen3-VL keep the vision tower in ``model.visual``
 # with the projector as ``visual.merger`` (+ ``deepstack_merger_list`` in Qwen3-VL); LLaVA-style models
-# have ``vision_tower`` and ``multi_modal_projector``; the language model is ``language_model`` plus
-# the output head.
-_PROJECTOR_MARKERS = ("multi_modal_projector.", "visual.merger.", "visual.deepstack_merger_list.")
-_VISION_MARKERS = ("vision_tower.", "visual.", "vision_model.")
-_LANGUAGE_MARKERS = ("language_model.", "lm_head.")
+# have ``vision_tower`` and ``multi_modal_projector``; SmolVLM has ``vision_model``, ``connector`` and
+# ``text_model``; the language model is ``language_model`` (or ``text_model``) plus the output head.
+PROJECTOR_MARKERS = (
+    "multi_modal_projector.",
+    "visual.merger.",
+    "visual.deepstack_merger_list.",
+    "connector.",
+)
+VISION_MARKERS = ("vision_tower.", "visual.", "vision_model.")
+LANGUAGE_MARKERS = ("language_model.", "text_model.", "lm_head.")
 
 ModelPart = Literal["vision_tower", "projector", "language_model", "other"]
 
@@ -83,7 +88,7 @@ def load_model(
     the ranks as they are created. None: a plain single-process model (evaluation, export checks).
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
-    from transformers.integrations import HfDeepSpeedConfig
+    from transformers.integrations import HfDeepSpeedConfig, is_deepspeed_zero3_enabled
 
     require_kernels(cfg.kernels)  # a missing package fails here, before minutes of model loading
     # Created before the model, kept alive in the result: this is what turns on zero.Init.
@@ -100,8 +105,12 @@ def load_model(
     else:
         from ntil_ds.model.lora import quantization_kwargs  # QLoRA: 4-bit base weights, else nothing
 
-        common.update(quantization_kwargs(cfg, lora, ds_config is not None, device))
-        model = auto_class.from_pretrained(cfg.name_or_path, config=hf_config, **common)
+        quantization = quantization_kwargs(cfg, lora, device, partitioned=is_deepspeed_zero3_enabled())
+        model = auto_class.from_pretrained(cfg.name_or_path, config=hf_config, **common, **quantization)
+        if quantization:
+            from ntil_ds.model.lora import check_quantized
+
+            check_quantized(model, lora)
     log.info(
         "model %s (%s, %s, init=%s) attention=%s",
         cfg.name_or_path,
@@ -140,11 +149,11 @@ def model_part(param_name: str) -> ModelPart:
     """Which part a parameter belongs to, by its name (projector is checked before the vision tower,
     since Qwen's projector lives inside ``visual``)."""
     name = f".{param_name}"
-    if any(f".{m}" in name for m in _PROJECTOR_MARKERS):
+    if any(f".{m}" in name for m in PROJECTOR_MARKERS):
         return "projector"
-    if any(f".{m}" in name for m in _VISION_MARKERS):
+    if any(f".{m}" in name for m in VISION_MARKERS):
         return "vision_tower"
-    if any(f".{m}" in name for m in _LANGUAGE_MARKERS):
+    if any(f".{m}" in name for m in LANGUAGE_MARKERS):
         return "language_model"
     return "other"
 

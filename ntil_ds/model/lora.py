@@ -9,8 +9,14 @@ of it inside the adapter is not what LoRA is for): ``model.freeze_vision_tower=t
 
 Under ZeRO-3 the base model is already partitioned when peft wraps it (``zero.Init``): the adapters
 are created as ordinary tensors and ``deepspeed.initialize`` partitions them with the rest; peft gathers
-a partitioned module before copying it for ``modules_to_save``. The checkpoint is DeepSpeed's (adapters,
-optimizer state, frozen base included), so a resume restores everything exactly.
+a partitioned module before copying it for ``modules_to_save``. The checkpoint is DeepSpeed's: adapters,
+``modules_to_save`` and their optimizer state; the frozen base is read again from ``model.name_or_path``
+on resume (``checkpoint.saves_frozen_weights``).
+
+QLoRA (``lora.quantize=nf4``): the language model's linear layers load as bitsandbytes 4-bit layers,
+packed into tensors of the training dtype so that ZeRO-3 partitions them like any other weight; the
+output head, ``modules_to_save``, projector and vision tower stay 16-bit (a 4-bit weight gets no
+gradient). Works under ZeRO-2 and ZeRO-3.
 
 Export (:func:`save_lora_export`, called by ``checkpoint.export_hf_folder``): the adapter as peft writes
 it (``adapter_config.json`` + ``adapter_model.safetensors``, loads with ``PeftModel.from_pretrained``),
@@ -20,7 +26,10 @@ added, a plain Hugging Face folder that loads with ``from_pretrained`` and no pe
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -134,27 +143,41 @@ def apply_lora(model: nn.Module, cfg: ModelConfig, lora: LoraConfig) -> nn.Modul
     return peft_model
 
 
+def unquantized_module_patterns(lora: LoraConfig) -> list[str]:
+    """Module-name patterns that QLoRA keeps in 16 bits (transformers' ``llm_int8_skip_modules`` syntax:
+    a regex matched from the start of the full module name, up to a module boundary).
+
+    Only the language model's linear layers go to 4 bits: a 4-bit weight gets no gradient, so whatever
+    trains in full (the output head, ``lora.modules_to_save``, the projector) must stay 16-bit, and the
+    frozen vision tower is small next to the language model and loses accuracy in 4 bits.
+    """
+    from ntil_ds.model.loading import PROJECTOR_MARKERS, VISION_MARKERS
+
+    names = [marker.rstrip(".") for marker in (*PROJECTOR_MARKERS, *VISION_MARKERS)]
+    names += ["lm_head", *split_names(lora.modules_to_save)]
+    return [rf"(?:.*\.)?{re.escape(name)}" for name in dict.fromkeys(names)]
+
+
+def is_quantized_linear(module_name: str, lora: LoraConfig) -> bool:
+    """Whether QLoRA loads the linear layer ``module_name`` in 4 bits (the rule transformers applies to
+    :func:`unquantized_module_patterns`; the memory estimator counts with it)."""
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    return should_convert_module(module_name, unquantized_module_patterns(lora))
+
+
 def quantization_kwargs(
-    cfg: ModelConfig, lora: LoraConfig | None, under_deepspeed: bool, device: Any
+    cfg: ModelConfig, lora: LoraConfig | None, device: Any, partitioned: bool = False
 ) -> dict[str, Any]:
-    """QLoRA: ``from_pretrained`` arguments that load the base weights as 4-bit nf4 (bitsandbytes).
+    """QLoRA: ``from_pretrained`` arguments that load the language model's linear weights as 4-bit nf4
+    (bitsandbytes).
 
     Double quantization (the block scales in 8 bits), compute in the training dtype, and the packed
-    4-bit weights stored in that dtype too (what ZeRO-3 needs to partition them).
-
-    Not yet under DeepSpeed: on CPU with 2 ranks the adapters' gradients reach DeepSpeed's reduce hooks
-    empty (ZeRO-2 and ZeRO-3, "'NoneType' object has no attribute 'view'"), so the trainer refuses
-    rather than fail mid-step. The 4-bit model itself (quantize at load, forward, backward into the
-    adapters) runs and is tested on one process (tests/unit/test_lora.py).
+    4-bit weights stored in that dtype too: DeepSpeed's bf16/fp16 modes expect one dtype for every
+    parameter, and ZeRO-3 partitions the packed weights like any other tensor of that dtype.
     """
     if lora is None or not lora.enabled or lora.quantize == "none":
         return {}
-    if under_deepspeed:
-        raise ConfigError(
-            "lora.quantize=nf4 (QLoRA) does not train under DeepSpeed in this version (the adapters' "
-            "gradients reach ZeRO's reduce hooks empty); use lora.quantize=none (LoRA on 16-bit weights: "
-            "launch/estimate.py shows what it needs)"
-        )
     if cfg.init != "pretrained":
         raise ConfigError(
             "lora.quantize=nf4 quantizes pretrained weights as they load: set model.init=pretrained "
@@ -178,10 +201,41 @@ def quantization_kwargs(
             bnb_4bit_use_double_quant=True,
             bnb_4bit_compute_dtype=dtype,
             bnb_4bit_quant_storage=dtype,
+            llm_int8_skip_modules=unquantized_module_patterns(lora),
         )
     }
-    kwargs["device_map"] = {"": device if device is not None else "cpu"}  # quantize straight onto it
+    if not partitioned:  # (transformers refuses a device_map under ZeRO-3: zero.Init places the weights)
+        kwargs["device_map"] = {"": device if device is not None else "cpu"}  # quantize straight onto it
     return kwargs
+
+
+def check_quantized(model: nn.Module, lora: LoraConfig) -> None:
+    """After a QLoRA load: every linear layer :func:`is_quantized_linear` names is bitsandbytes' 4-bit
+    layer and no other is; logs what went to 4 bits. A layer that silently stayed 16-bit (or a trained
+    one that went 4-bit and would get no gradient) is an error here, not a surprise in memory or loss."""
+    import bitsandbytes as bnb
+
+    wrong, quantized, elements = [], 0, 0
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        is_4bit = isinstance(module, bnb.nn.Linear4bit)
+        if is_4bit != is_quantized_linear(name, lora):
+            wrong.append(f"{name} ({'4-bit' if is_4bit else '16-bit'})")
+        if is_4bit:
+            quantized += 1
+            elements += module.in_features * module.out_features
+    if wrong or not quantized:
+        raise RuntimeError(
+            "QLoRA: the 4-bit load did not quantize the language model's linear layers as planned: "
+            + (", ".join(wrong[:8]) if wrong else "no layer is 4-bit")
+        )
+    log.info(
+        "QLoRA: %d linear layers of the language model in 4-bit nf4 (%.1f M weights); "
+        "the output head, vision tower and projector stay 16-bit",
+        quantized,
+        elements / 1e6,
+    )
 
 
 def _ties_embeddings(model: nn.Module) -> bool:
@@ -202,19 +256,59 @@ def save_lora_export(model: nn.Module, state_dict: dict[str, torch.Tensor], out_
     """Rank 0: write the adapter to ``out_dir`` and, on request, the merged model to ``out_dir/merged``.
 
     ``state_dict``: the consolidated (gathered) weights of the PeftModel, adapters and base together.
+    QLoRA's merged model is a plain 16-bit one: the 4-bit base weights dequantized (what the adapters
+    were trained against) with the adapters folded in.
     """
     lora: LoraConfig = getattr(model, _LORA_CONFIG_ATTR)
     model.save_pretrained(out_dir, state_dict=state_dict, safe_serialization=True)
     if lora.merge_on_export:
-        merged = merged_state_dict(state_dict, scaling=lora.alpha / lora.r)
+        merged = merged_state_dict(dequantized_state_dict(model, state_dict), scaling=lora.alpha / lora.r)
         base = model.get_base_model()
         recorded = base.__dict__.pop("_weight_conversions", None)  # see checkpoint.export_hf_folder
         try:
-            base.save_pretrained(out_dir / MERGED_DIR, state_dict=merged, safe_serialization=True)
+            with _seen_as_unquantized(base):
+                base.save_pretrained(out_dir / MERGED_DIR, state_dict=merged, safe_serialization=True)
         finally:
             if recorded is not None:
                 base._weight_conversions = recorded
     log.info("exported the LoRA adapter to %s%s", out_dir, " (+ merged/)" if lora.merge_on_export else "")
+
+
+@contextlib.contextmanager
+def _seen_as_unquantized(model: nn.Module) -> Iterator[None]:
+    """QLoRA's base as ``save_pretrained`` should see it for the merged export: a plain model. Its
+    quantizer would replace the (dequantized, merged) state dict it is given with its own 4-bit one and
+    write a quantization config that makes the folder load as 4-bit."""
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is None:
+        yield
+        return
+    quantization_config = model.config.quantization_config
+    model.hf_quantizer = None
+    del model.config.quantization_config
+    try:
+        yield
+    finally:
+        model.hf_quantizer = quantizer
+        model.config.quantization_config = quantization_config
+
+
+def dequantized_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state_dict`` with each of ``model``'s 4-bit weights as a 16-bit tensor (its quantization state
+    entries dropped); unchanged for a model without 4-bit layers."""
+    try:
+        import bitsandbytes as bnb
+    except ImportError:  # (an optional dependency: without it there are no 4-bit layers)
+        return state_dict
+    four_bit = [(name, module) for name, module in model.named_modules() if isinstance(module, bnb.nn.Linear4bit)]
+    if not four_bit:
+        return state_dict
+    result = {k: v for k, v in state_dict.items() if not any(k.startswith(f"{n}.weight.") for n, _ in four_bit)}
+    for name, module in four_bit:
+        quant_state = module.weight.quant_state  # (every rank holds it whole; ZeRO-3 splits only the data)
+        packed = state_dict[f"{name}.weight"].to(quant_state.absmax.device)
+        result[f"{name}.weight"] = bnb.functional.dequantize_4bit(packed, quant_state).to(quant_state.dtype).cpu()
+    return result
 
 
 _PEFT_PREFIX = "base_model.model."

@@ -107,6 +107,32 @@ KNOWN_CONFIGS: dict[str, dict[str, Any]] = {
         "mm_tokens_per_image": 256,
         "tie_word_embeddings": True,
     },
+    # InternViT-300M + 2-layer MLP projector + Qwen2.5-7B (vocabulary: Qwen2.5's 151665 + 9 InternVL tokens)
+    "OpenGVLab/InternVL3-8B-hf": {
+        "model_type": "internvl",
+        "text_config": {"model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944,
+                        "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+                        "vocab_size": 151674, "tie_word_embeddings": False},
+        "vision_config": {"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24,
+                          "num_attention_heads": 16, "image_size": 448, "patch_size": 14, "attention_bias": True,
+                          "use_qk_norm": False, "norm_type": "layer_norm"},
+        "downsample_ratio": 0.5,
+        "image_seq_length": 256,
+        "tie_word_embeddings": False,
+    },
+    # SigLIP-so400m (384 px tiles) + pixel shuffle by 3 + one linear projector + SmolLM2-1.7B (vocabulary:
+    # SmolLM2's 49152 + the image/row/column tokens; the head is not tied in this model)
+    "HuggingFaceTB/SmolVLM2-2.2B-Instruct": {
+        "model_type": "smolvlm",
+        "text_config": {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192,
+                        "num_hidden_layers": 24, "num_attention_heads": 32, "num_key_value_heads": 32,
+                        "head_dim": 64, "vocab_size": 49280, "tie_word_embeddings": False},
+        "vision_config": {"hidden_size": 1152, "intermediate_size": 4304, "num_hidden_layers": 27,
+                          "num_attention_heads": 16, "image_size": 384, "patch_size": 14},
+        "scale_factor": 3,
+        "image_token_id": 49190,
+        "tie_word_embeddings": False,
+    },
     "llava-hf/llava-1.5-7b-hf": {
         "model_type": "llava",
         "text_config": {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008,
@@ -162,13 +188,13 @@ def count_parameters(cfg: Config) -> tuple[ParamCounts, Any]:
         model = auto_class.from_config(hf_config)
     quantized = 0
     if cfg.lora.enabled:
-        from ntil_ds.model.lora import apply_lora
+        from ntil_ds.model.lora import apply_lora, is_quantized_linear
 
-        if cfg.lora.quantize == "nf4":  # bitsandbytes keeps the output head in 16 bits
+        if cfg.lora.quantize == "nf4":  # the language model's linear layers (the rule the 4-bit load follows)
             quantized = sum(
                 m.weight.numel()
                 for n, m in model.named_modules()
-                if isinstance(m, nn.Linear) and not n.endswith("lm_head")
+                if isinstance(m, nn.Linear) and is_quantized_linear(n, cfg.lora)
             )
         with torch.device("meta"):
             model = apply_lora(model, cfg.model, cfg.lora)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-TINY_KINDS = ("qwen2_vl", "qwen2_5_vl", "llava", "qwen2", "qwen3_vl", "gemma3")
+TINY_KINDS = ("qwen2_vl", "qwen2_5_vl", "llava", "qwen2", "qwen3_vl", "gemma3", "internvl", "smolvlm")
 
 # Tiny vocab: 256 bytes + special tokens + merges learned on the corpus below.
 TINY_VOCAB_SIZE = 512
@@ -44,6 +44,10 @@ GEMMA3_SPECIAL_TOKENS = (
     "<end_of_image>",
     "<image_soft_token>",
 )
+
+# InternVL-hf: Qwen's tokens plus the image markers its converted tokenizers add (<img>, </img>,
+# <IMG_CONTEXT>; the real one also has <quad>, <ref>, <box> pairs, unused here) and <video>.
+INTERNVL_SPECIAL_TOKENS = (*QWEN_SPECIAL_TOKENS, "<img>", "</img>", "<IMG_CONTEXT>", "<video>")
 
 # The real Qwen2-VL / Qwen2.5-VL chat template (system prompt added when none is given).
 QWEN_VL_CHAT_TEMPLATE = (
@@ -87,6 +91,18 @@ GEMMA3_CHAT_TEMPLATE = (
     "{% else %}{% for item in message['content'] %}{% if item['type'] == 'image' %}<start_of_image>"
     "{% elif item['type'] == 'text' %}{{ item['text'] | trim }}{% endif %}{% endfor %}{% endif %}"
     "<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+# The InternVL3-hf chat template (ChatML, no default system prompt; an image is "<IMG_CONTEXT>\n", which the
+# processor expands to "<img>" + <IMG_CONTEXT> x (256 per tile) + "</img>").
+INTERNVL_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n'}}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' %}{{ '<IMG_CONTEXT>\\n' }}"
+    "{% elif content['type'] == 'video' %}{{ '<video>\\n' }}"
+    "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{{'<|im_end|>\\n'}}{% endfor %}{% if add_generation_prompt %}{{'<|im_start|>assistant\\n' }}{% endif %}"
 )
 
 # The real Qwen2-Instruct chat template (text only: content is a string).
@@ -435,6 +451,161 @@ def _build_gemma3(out_dir: Path) -> None:
     processor.save_pretrained(out_dir)
 
 
+# InternVL: InternViT at 28x28 pixels in 7x7 patches (4x4 = 16, the CLS token dropped), pixel-shuffled
+# by 0.5 to 2x2 = 4 image tokens per tile. The processor tiles an image (crop_to_patches, as the real
+# InternVLProcessor does by default) into up to 4 tiles of 28x28 plus a thumbnail when there is more than
+# one: a 64x48 image takes 2x2 tiles + 1 = 5 tiles = 20 tokens, a 28x28 one 1 tile = 4 (the real model:
+# 448x448 tiles of 256 tokens, up to 12 tiles).
+_INTERNVL_IMAGE_SIZE, _INTERNVL_PATCH, _INTERNVL_TOKENS_PER_TILE, _INTERNVL_MAX_TILES = 28, 7, 4, 4
+
+
+def _build_internvl(out_dir: Path) -> None:
+    """InternVL3-style (-hf layout): InternViT vision tower, 2-layer MLP projector, Qwen2 language model.
+
+    InternVLProcessor cannot be built without torchvision (its video processor needs it): its files are
+    written directly, as for Qwen-VL, and load with `ntil_ds.data.load_processor` everywhere.
+    """
+    from transformers import GotOcr2ImageProcessorPil, InternVLConfig
+
+    tokenizer = _fast_tokenizer(
+        INTERNVL_SPECIAL_TOKENS,
+        INTERNVL_CHAT_TEMPLATE,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        # the attributes InternVLProcessor reads from the tokenizer
+        extra_special_tokens={
+            "start_image_token": "<img>",
+            "end_image_token": "</img>",
+            "context_image_token": "<IMG_CONTEXT>",
+            "video_token": "<video>",
+        },
+    )
+    text = _tiny_text_config_kwargs(tokenizer)
+    text["model_type"] = "qwen2"
+    config = InternVLConfig(
+        text_config=text,
+        vision_config={
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "image_size": _INTERNVL_IMAGE_SIZE,
+            "patch_size": _INTERNVL_PATCH,
+            "attention_bias": True,  # InternViT-300M's qkv bias
+        },
+        image_token_id=tokenizer.convert_tokens_to_ids("<IMG_CONTEXT>"),
+        image_seq_length=_INTERNVL_TOKENS_PER_TILE,
+        downsample_ratio=0.5,
+        tie_word_embeddings=False,  # as in InternVL3-8B (Qwen2.5-7B)
+    )
+    image_processor = GotOcr2ImageProcessorPil(
+        size={"height": _INTERNVL_IMAGE_SIZE, "width": _INTERNVL_IMAGE_SIZE},
+        crop_to_patches=True,
+        min_patches=1,
+        max_patches=_INTERNVL_MAX_TILES,
+        image_mean=[0.485, 0.456, 0.406],
+        image_std=[0.229, 0.224, 0.225],
+    )
+    config.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    image_processor.save_pretrained(out_dir)
+    (out_dir / "chat_template.jinja").write_text(INTERNVL_CHAT_TEMPLATE)
+    processor_config = {"processor_class": "InternVLProcessor", "image_seq_length": _INTERNVL_TOKENS_PER_TILE}
+    (out_dir / "processor_config.json").write_text(json.dumps(processor_config, indent=2))
+    video_config = {
+        "video_processor_type": "InternVLVideoProcessor",
+        "size": {"height": _INTERNVL_IMAGE_SIZE, "width": _INTERNVL_IMAGE_SIZE},
+        "image_mean": image_processor.image_mean,
+        "image_std": image_processor.image_std,
+    }
+    (out_dir / "video_preprocessor_config.json").write_text(json.dumps(video_config, indent=2))
+
+
+# SmolVLM (SmolVLM2-2.2B-Instruct's layout): SigLIP on 28x28 tiles in 7x7 patches (4x4 = 16), pixel-shuffled
+# by 2 to 4 image tokens per tile. An image is resized to a longest edge of 84 and split into up to 3x3
+# tiles of 28 plus the whole image at 28x28 (the real model: 1536 and 384, so up to 4x4 tiles + global).
+_SMOLVLM_TILE, _SMOLVLM_PATCH, _SMOLVLM_SCALE, _SMOLVLM_LONGEST_EDGE = 28, 7, 2, 84
+_SMOLVLM_IMAGE_TOKENS = (_SMOLVLM_TILE // _SMOLVLM_PATCH) ** 2 // _SMOLVLM_SCALE**2
+# SmolVLM2's tokenizer (SmolLM2's plus the image markers; rows/columns up to 6, as in the real vocabulary).
+SMOLVLM_SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<fake_token_around_image>",
+    "<image>",
+    "<global-img>",
+    "<end_of_utterance>",
+    *(f"<row_{row}_col_{col}>" for row in range(1, 7) for col in range(1, 7)),
+)
+# SmolVLM2-Instruct's template: "<|im_start|>" once, then "User:<image>question<end_of_utterance>\n" and
+# "Assistant: answer<end_of_utterance>\n"; no space after "User:" when the turn starts with an image.
+SMOLVLM_CHAT_TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}"
+    "{% if message['content'][0]['type'] == 'image' %}{{':'}}{% else %}{{': '}}{% endif %}"
+    "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{line['text']}}"
+    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% elif line['type'] == 'video' %}{{ '<video>' }}"
+    "{% endif %}{% endfor %}<end_of_utterance>\n{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
+
+
+def _build_smolvlm(out_dir: Path) -> None:
+    """SmolVLM: files written by hand like the Qwen-VL ones (SmolVLMProcessor needs a video processor,
+    hence torchvision); `image_seq_len` goes to processor_config.json, where the Hub folders keep it."""
+    from transformers import SmolVLMConfig, SmolVLMImageProcessorPil
+
+    tokenizer = _fast_tokenizer(
+        SMOLVLM_SPECIAL_TOKENS,
+        SMOLVLM_CHAT_TEMPLATE,
+        bos_token="<|im_start|>",
+        eos_token="<end_of_utterance>",  # the -Instruct models end each turn (and generation) with it
+        pad_token="<|im_end|>",
+        unk_token="<|endoftext|>",
+        extra_special_tokens={
+            "fake_image_token": "<fake_token_around_image>",
+            "image_token": "<image>",
+            "global_image_token": "<global-img>",
+            "end_of_utterance_token": "<end_of_utterance>",
+        },
+    )
+    text = _tiny_text_config_kwargs(tokenizer)
+    text["model_type"] = "llama"  # SmolLM2
+    config = SmolVLMConfig(
+        text_config=text,
+        vision_config={
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "image_size": _SMOLVLM_TILE,
+            "patch_size": _SMOLVLM_PATCH,
+        },
+        scale_factor=_SMOLVLM_SCALE,
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,  # as in SmolVLM2-2.2B
+    )
+    sizes = {
+        "size": {"longest_edge": _SMOLVLM_LONGEST_EDGE},
+        "max_image_size": {"longest_edge": _SMOLVLM_TILE},
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+    }
+    image_processor = SmolVLMImageProcessorPil(do_image_splitting=True, **sizes)
+    config.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    image_processor.save_pretrained(out_dir)
+    (out_dir / "chat_template.jinja").write_text(SMOLVLM_CHAT_TEMPLATE)
+    processor_config = {"processor_class": "SmolVLMProcessor", "image_seq_len": _SMOLVLM_IMAGE_TOKENS}
+    (out_dir / "processor_config.json").write_text(json.dumps(processor_config, indent=2))
+    video_config = {
+        "video_processor_type": "SmolVLMVideoProcessor",
+        **sizes,
+        "video_sampling": {"fps": 1, "max_frames": 8, "video_size": {"longest_edge": _SMOLVLM_TILE}},
+    }
+    (out_dir / "video_preprocessor_config.json").write_text(json.dumps(video_config, indent=2))
+
+
 _BUILDERS = {
     "qwen2_vl": _build_qwen2_vl,
     "qwen2_5_vl": _build_qwen2_5_vl,
@@ -442,6 +613,8 @@ _BUILDERS = {
     "qwen2": _build_qwen2,
     "qwen3_vl": _build_qwen3_vl,
     "gemma3": _build_gemma3,
+    "smolvlm": _build_smolvlm,
+    "internvl": _build_internvl,
 }
 
 

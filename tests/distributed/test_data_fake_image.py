@@ -1,8 +1,8 @@
 """ZeRO-3 with images on one rank only: the collator's fake image keeps the ranks in step.
 
 Rank 0 trains on image samples, rank 1 on text-only ones, under real DeepSpeed ZeRO-3 (gloo, torchrun).
-With the fake image both ranks train (Qwen2.5-VL, LLaVA, Qwen3-VL, Gemma 3). Without it rank 1 skips the vision tower,
-the ranks' parameter all-gathers differ and the job dies within seconds on gloo ("Is there a distributed
+With the fake image both ranks train (Qwen2.5-VL, LLaVA, Qwen3-VL, Gemma 3, InternVL, SmolVLM). Without it
+rank 1 skips the vision tower, the ranks' parameter all-gathers differ and the job dies within seconds on gloo ("Is there a distributed
 collective mismatch?"): run the job with `nofake` to see it (left out of CI for time).
 """
 
@@ -56,7 +56,7 @@ def _torchrun(tmp_path, data, mode, folders, timeout):
 @pytest.mark.distributed
 @pytest.mark.timeout(400)
 def test_fake_image_lets_text_only_ranks_train_under_zero3(tmp_path):
-    kinds = ["qwen2_5_vl", "llava", "qwen3_vl", "gemma3"]
+    kinds = ["qwen2_5_vl", "llava", "qwen3_vl", "gemma3", "internvl", "smolvlm"]
     data, folders = _setup(tmp_path, kinds)
     result, out = _torchrun(tmp_path, data, "fake", folders, timeout=360)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

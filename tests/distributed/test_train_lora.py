@@ -1,7 +1,9 @@
-"""LoRA on the real job: 2 CPU processes, DeepSpeed ZeRO-3 (and ZeRO-2), tiny Qwen2-VL, mixed text/image
-batches. Only adapters, the output head and the projector train; a killed job resumes to the same losses;
-the export is a peft adapter that reloads onto the base, and a merged folder that loads with plain
-``from_pretrained`` and computes what the adapter does.
+"""LoRA and QLoRA on the real job: 2 CPU processes, DeepSpeed ZeRO-3 (and ZeRO-2), a tiny pretrained
+Qwen2-VL folder, mixed text/image batches. Only adapters, the output head and the projector train;
+checkpoints hold those and no frozen base; a killed job resumes to the same losses; the export is a peft
+adapter that reloads onto the base, and a merged folder that loads with plain ``from_pretrained`` and
+computes what the adapter does. QLoRA (4-bit nf4 base, bitsandbytes on CPU) trains under ZeRO-2 and
+ZeRO-3 and resumes after a kill.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 STEPS = 6
 LORA = {
+    "model.init": "pretrained",  # the frozen base is read from the folder again on resume
     "lora.enabled": "true",
     "lora.r": 4,
     "lora.alpha": 8,
@@ -37,7 +40,19 @@ LORA = {
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    return tiny_model_and_data(tmp_path_factory.mktemp("lora"), "qwen2_vl", n=48, image_size=56)
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    root, model_dir, data_file = tiny_model_and_data(tmp_path_factory.mktemp("lora"), "qwen2_vl", n=48, image_size=56)
+    torch.manual_seed(0)  # a "pretrained" base: random weights saved in the folder
+    base = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.float32)
+    base.save_pretrained(model_dir)
+    return root, model_dir, data_file
+
+
+def _base_model(model_dir):
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
 
 
 @pytest.fixture(scope="module")
@@ -51,11 +66,10 @@ def uninterrupted(setup):
 
 
 def _peft_reference(model_dir, export_dir, masters):
-    """The trained PeftModel rebuilt on one process from DeepSpeed's fp32 weights (frozen base included)."""
+    """The trained PeftModel rebuilt on one process: the base from the model folder, the trained
+    weights from DeepSpeed's fp32 masters (the checkpoint holds nothing else)."""
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoConfig, AutoModelForImageTextToText
 
-    base = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.float32)
     config = json.loads((export_dir / "adapter_config.json").read_text())
     peft_config = LoraConfig(
         r=config["r"],
@@ -63,10 +77,11 @@ def _peft_reference(model_dir, export_dir, masters):
         target_modules=config["target_modules"],
         modules_to_save=config["modules_to_save"],
     )
-    model = get_peft_model(base, peft_config, autocast_adapter_dtype=False)
+    model = get_peft_model(_base_model(model_dir), peft_config, autocast_adapter_dtype=False)
     missing, unexpected = model.load_state_dict(masters, strict=False)
     assert not unexpected, unexpected
-    assert not [k for k in missing if "lora_" in k or "modules_to_save" in k], missing
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trained == set(masters) and not trained & set(missing), sorted(trained ^ set(masters))
     return model.eval()
 
 
@@ -84,13 +99,19 @@ def test_lora_trains_only_adapters_head_and_projector(uninterrupted):
     assert saved and all("lora_" in k or "lm_head" in k or "merger" in k for k in saved), sorted(saved)
     assert any("lora_B" in k and v.abs().max() > 0 for k, v in saved.items())  # B starts at 0: it trained
     assert not any("visual.blocks" in k or "embed_tokens" in k for k in saved)  # frozen parts stay out
+    # The checkpoints hold what trains and its optimizer state, not a copy of the frozen base.
+    checkpoint = out / "checkpoints" / f"step_{STEPS:08d}"
+    for states in checkpoint.glob("*model_states.pt"):
+        content = torch.load(states, map_location="cpu", weights_only=False)
+        assert content["module"] and all("lora_" in k or "modules_to_save" in k for k in content["module"])
+        assert not content.get("frozen_param_fragments"), states.name
 
 
 @pytest.mark.timeout(1200)
 def test_lora_export_adapter_and_merged_model_reload(setup, uninterrupted):
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from peft import PeftModel
-    from transformers import AutoConfig, AutoModelForImageTextToText
+    from transformers import AutoModelForImageTextToText
 
     from ntil_ds.data import Collator, ConversationDataset, load_processor
     from ntil_ds.model.lora import merged_state_dict
@@ -108,15 +129,7 @@ def test_lora_export_adapter_and_merged_model_reload(setup, uninterrupted):
         expected = reference(**inputs).logits
 
         # The adapter on the (unchanged) base weights, through peft's own loader.
-        base_weights = {
-            k.removeprefix("base_model.model.").replace(".base_layer.", "."): v
-            for k, v in masters.items()
-            if "lora_" not in k and "modules_to_save" not in k
-        }
-        base_weights = {k.replace(".original_module.", "."): v for k, v in base_weights.items()}
-        base = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.float32)
-        missing, unexpected = base.load_state_dict(base_weights, strict=False)
-        assert not unexpected and not missing, (missing, unexpected)
+        base = _base_model(model_dir)
         base_logits = base.eval()(**inputs).logits
         adapted = PeftModel.from_pretrained(base, out / "export").eval()  # (wraps base in place)
         assert torch.equal(adapted(**inputs).logits, expected)
@@ -129,10 +142,11 @@ def test_lora_export_adapter_and_merged_model_reload(setup, uninterrupted):
         torch.testing.assert_close(merged.eval()(**inputs).logits, expected, rtol=1e-5, atol=1e-5)
         assert (expected - base_logits).abs().max() > 1e-3  # the adapter mattered
     # The merge itself against an independent formula, on one layer.
-    sd = merged_state_dict(masters, scaling=8 / 4)
+    full = reference.state_dict()  # the base from the folder + the trained weights
+    sd = merged_state_dict(full, scaling=8 / 4)
     prefix = "base_model.model.model.language_model.layers.0.self_attn.q_proj"
     a, b = masters[f"{prefix}.lora_A.default.weight"], masters[f"{prefix}.lora_B.default.weight"]
-    want = masters[f"{prefix}.base_layer.weight"] + 2.0 * torch.einsum("or,ri->oi", b, a)
+    want = full[f"{prefix}.base_layer.weight"] + 2.0 * torch.einsum("or,ri->oi", b, a)
     torch.testing.assert_close(sd["model.language_model.layers.0.self_attn.q_proj.weight"], want)
 
 
@@ -153,18 +167,56 @@ def test_killed_lora_job_resumes_to_the_same_losses(setup, uninterrupted):
             assert metrics[step][key] == pytest.approx(reference[step][key], rel=1e-6, abs=1e-7), (step, key)
 
 
-@pytest.mark.timeout(1200)
-def test_lora_under_zero2(setup, tmp_path):
-    _, model_dir, data_file = setup
-    out = tmp_path / "zero2"
-    overrides = {
-        **base_overrides(model_dir, data_file, out),
-        **LORA,
-        "deepspeed": "configs/deepspeed/zero2.json",
-        "train.max_steps": 3,
-        "train.save_every": 0,
-    }
+QLORA = {**LORA, "lora.quantize": "nf4", "train.max_steps": 4, "train.save_every": 2}
+
+
+@pytest.fixture(scope="module")
+def qlora_zero2(setup):
+    root, model_dir, data_file = setup
+    out = root / "qlora_zero2"
+    overrides = {**base_overrides(model_dir, data_file, out), **QLORA, "deepspeed": "configs/deepspeed/zero2.json"}
     result = run_training(overrides)
     assert result.returncode == 0, result.stdout[-6000:]
+    return out, result.stdout
+
+
+@pytest.mark.timeout(1200)
+def test_qlora_trains_under_zero2_on_a_4bit_language_model(qlora_zero2, uninterrupted):
+    out, log = qlora_zero2
+    assert "QLoRA: 14 linear layers of the language model in 4-bit nf4" in log
     losses = [m["loss"] for _, m in sorted(train_metrics(out).items())]
-    assert len(losses) == 3 and all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses
+    assert len(losses) == 4 and all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses
+    # The same first step as LoRA on the 16-bit base, up to nf4's rounding of the weights.
+    lora_first = train_metrics(uninterrupted[0])[1]["loss"]
+    assert losses[0] != lora_first and losses[0] == pytest.approx(lora_first, rel=0.02)
+
+
+@pytest.mark.timeout(1500)
+def test_killed_qlora_job_under_zero3_resumes_to_the_zero2_losses(setup, qlora_zero2):
+    """ZeRO-3 partitions the packed 4-bit weights; killed after its step-2 checkpoint (no frozen base in
+    it) and resumed, it computes what the uninterrupted ZeRO-2 job computed."""
+    root, model_dir, data_file = setup
+    out = root / "qlora_zero3"
+    overrides = {**base_overrides(model_dir, data_file, out), **QLORA, "train.export_at_end": "true"}
+    kill_after_checkpoint(overrides, 2, log_path=root / "qlora_killed.log")
+    resumed = run_training(overrides)
+    assert resumed.returncode == 0, resumed.stdout[-6000:]
+    assert "resumed from" in resumed.stdout and "QLoRA: 14 linear layers" in resumed.stdout
+    reference = train_metrics(qlora_zero2[0])
+    metrics = train_metrics(out)
+    assert sorted(metrics) == [1, 2, 3, 4]
+    for step in range(1, 5):
+        for key in ("loss", "ce", "grad_norm"):
+            assert metrics[step][key] == pytest.approx(reference[step][key], rel=1e-4), (step, key)
+    # The merged export is a plain 16-bit model: the dequantized base (within nf4's error of the folder's
+    # weights) with the adapters folded in.
+    from transformers import AutoModelForImageTextToText
+
+    merged, info = AutoModelForImageTextToText.from_pretrained(
+        out / "export" / "merged", dtype=torch.float32, output_loading_info=True
+    )
+    assert not any(info.values()) and getattr(merged.config, "quantization_config", None) is None, info
+    name = "model.language_model.layers.1.mlp.down_proj.weight"
+    weight, original = merged.get_parameter(name), _base_model(model_dir).get_parameter(name)
+    assert not torch.equal(weight, original)
+    assert (weight - original).abs().max() < 0.25 * original.abs().max()

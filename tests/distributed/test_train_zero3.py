@@ -1,5 +1,5 @@
-"""The real job, 2 CPU processes on ZeRO-3: NTIL trains tiny Qwen2-VL, LLaVA, Qwen3-VL and Gemma 3 on
-mixed text/image batches, a killed job resumes exactly, and the export loads without DeepSpeed.
+"""The real job, 2 CPU processes on ZeRO-3: NTIL trains tiny Qwen2-VL, LLaVA, Qwen3-VL, Gemma 3 and
+InternVL on mixed text/image batches, a killed job resumes exactly, and the export loads without DeepSpeed.
 
 One uninterrupted Qwen2-VL run (deepspeed launcher) serves several tests: loss falls, the resume
 reference, the export check.
@@ -174,15 +174,17 @@ def test_export_loads_without_deepspeed_and_matches_the_trained_weights(qwen_set
         assert torch.equal(exported.state_dict()[name], value), name
 
 
-# Image sizes that give each family a few image tokens (LLaVA and Gemma 3 resize to 28x28 anyway).
-OTHER_FAMILIES = {"llava": 28, "qwen3_vl": 56, "gemma3": 28}
+# Image sizes that give each family a few image tokens (LLaVA and Gemma 3 resize to 28x28 anyway;
+# InternVL: one 28x28 tile; SmolVLM scales every image to 84x84: 3x3 tiles + the whole image, 40 tokens).
+OTHER_FAMILIES = {"llava": 28, "qwen3_vl": 56, "gemma3": 28, "internvl": 28, "smolvlm": 28}
 
 
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("kind", sorted(OTHER_FAMILIES))
 def test_other_families_ntil_loss_falls_and_export_reloads(tmp_path, kind):
-    """The same job on LLaVA, Qwen3-VL and Gemma 3: mixed text/image batches, 2 ranks, ZeRO-3; the export
-    loads with plain from_pretrained (no missing or unexpected weights) and holds the trained masters."""
+    """The same job on LLaVA, Qwen3-VL, Gemma 3, InternVL and SmolVLM: mixed text/image batches, 2 ranks,
+    ZeRO-3; the export loads with plain from_pretrained (no missing or unexpected weights) and holds the
+    trained masters."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from transformers import AutoModelForImageTextToText
 

@@ -19,9 +19,10 @@ from ntil_ds.data import (
     load_processor,
     tokenizer_of,
 )
+from ntil_ds.data.encoding import encode, expands_to_image_tokens_only
 from ntil_ds.model.tiny import TINY_KINDS, build_tiny_model_folder
 
-MLLM_KINDS = ("qwen2_vl", "qwen2_5_vl", "llava", "qwen3_vl", "gemma3")
+MLLM_KINDS = ("qwen2_vl", "qwen2_5_vl", "llava", "qwen3_vl", "gemma3", "internvl", "smolvlm")
 END_OF_TURN = {
     "qwen2_vl": "<|im_end|>",
     "qwen2_5_vl": "<|im_end|>",
@@ -29,6 +30,8 @@ END_OF_TURN = {
     "qwen2": "<|im_end|>",
     "qwen3_vl": "<|im_end|>",
     "gemma3": "<end_of_turn>",
+    "internvl": "<|im_end|>",
+    "smolvlm": "<end_of_utterance>",
 }
 
 
@@ -112,14 +115,52 @@ def test_labels_are_exactly_the_answers_and_their_end_of_turn(tmp_path, processo
     if kind != "qwen2":
         image_tokens = first["input_ids"] == _expanded_image_token_id(processor)
         assert image_tokens.sum() > 1 and not (first["labels"][image_tokens] != IGNORE_INDEX).any()
-        # the whole image sits in one run of placeholders the processor expanded
-        assert len(_runs(image_tokens)) == 1
+        # the whole image sits in one run of placeholders the processor expanded; SmolVLM: one run of
+        # image_seq_len tokens per tile it cut (the 64x48 image, scaled to 84x64: 3x3 tiles + the whole image)
+        runs = _runs(image_tokens)
+        if kind == "smolvlm":
+            assert len(runs) == first["pixel_values"].shape[1] == 3 * 3 + 1
+            assert {end - start for start, end in runs} == {processor.image_seq_len}
+        else:
+            assert len(runs) == 1
 
 
 def _expanded_image_token_id(processor) -> int:
     """The token an image's features replace: Gemma 3 writes <start_of_image> (processor.image_token) but
     expands it to <image_soft_token> x N between markers; the others repeat the placeholder itself."""
     return getattr(tokenizer_of(processor), "image_token_id", None) or processor.image_token_id
+
+
+# (width, height) -> the tiles the tiny SmolVLM cuts, by its rule written out: scale the longest edge to 84,
+# round each side up to a multiple of the 28-pixel tile, rows x columns tiles + the whole image (if > 1).
+# 200x50 -> 84x22 -> 1x3 + 1; 300x240 -> 84x68 -> 3x3 + 1; 100x60 -> 84x50 -> 2x3 + 1; a 20x20 is scaled up.
+SMOLVLM_TILES = {(28, 28): 10, (20, 20): 10, (200, 50): 4, (50, 200): 4, (300, 240): 10, (100, 60): 7}
+IMAGE_SIZES = list(SMOLVLM_TILES)
+
+
+@pytest.mark.parametrize("kind", MLLM_KINDS)
+def test_image_tokens_equal_the_processors_for_every_image_size(tmp_path, processors, kind):
+    # encode() measures ids and labels without pixels (once per image size); the processor run on the real
+    # image must give the same ids, whatever the resizing or tiling the size leads to.
+    processor = processors[kind]
+    for i, size in enumerate(IMAGE_SIZES):
+        Image.new("RGB", size, (40 * i, 120, 200)).save(tmp_path / f"{i}.png")
+    rows = [
+        {"messages": [_user("What time is it?", [f"{i}.png"]), {"role": "assistant", "content": "10:42"}]}
+        for i in range(len(IMAGE_SIZES))
+    ]
+    dataset = ConversationDataset(_write(tmp_path, rows), processor, max_seq_len=4096)
+    for size, conversation in zip(IMAGE_SIZES, dataset.conversations, strict=True):
+        encoded = encode(processor, conversation, max_seq_len=4096)
+        with Image.open(conversation.images[0]) as image:
+            out = processor(
+                text=[encoded.text], images=[image.convert("RGB")], return_tensors="pt", add_special_tokens=False
+            )
+        assert torch.equal(torch.from_numpy(encoded.input_ids), out["input_ids"][0])
+        if kind == "smolvlm":  # the tiles cut, each with its image_seq_len tokens
+            n_image = int((out["input_ids"] == processor.image_token_id).sum())
+            assert out["pixel_values"].shape[1] == SMOLVLM_TILES[size]
+            assert n_image == processor.image_seq_len * SMOLVLM_TILES[size]
 
 
 def test_template_without_end_of_turn_gets_eos_after_the_answer(tmp_path, folders):
@@ -232,7 +273,7 @@ def _forward(model, batch):
     return model(**{k: v for k, v in batch.items() if k != "labels"}).logits
 
 
-@pytest.mark.parametrize("kind", ["qwen2_5_vl", "llava", "qwen3_vl", "gemma3"])
+@pytest.mark.parametrize("kind", ["qwen2_5_vl", "llava", "qwen3_vl", "gemma3", "internvl", "smolvlm"])
 def test_padded_mixed_batch_equals_one_by_one(tmp_path, folders, processors, kind):
     processor = processors[kind]
     rows = [
@@ -267,6 +308,50 @@ def test_padded_mixed_batch_equals_one_by_one(tmp_path, folders, processors, kin
             torch.testing.assert_close(together[row, : lengths[row]], alone[0], rtol=1e-5, atol=1e-5)
 
 
+def _internvl_tiles(width: int, height: int, tile: int, max_tiles: int) -> int:
+    """InternVL's tiling rule (its dynamic_preprocess), written independently of transformers: the grid of
+    at most `max_tiles` tiles whose aspect ratio is closest to the image's, a tie going to the larger grid
+    when the image covers more than half of its area; more than one tile adds a thumbnail tile."""
+    grids = sorted(
+        {(c, r) for c in range(1, max_tiles + 1) for r in range(1, max_tiles + 1) if c * r <= max_tiles},
+        key=lambda g: g[0] * g[1],
+    )
+    best, best_diff = (1, 1), float("inf")
+    for c, r in grids:
+        diff = abs(width / height - c / r)
+        if diff < best_diff:
+            best, best_diff = (c, r), diff
+        elif diff == best_diff and width * height > 0.5 * tile * tile * c * r:
+            best = (c, r)
+    n = best[0] * best[1]
+    return n + 1 if n > 1 else n
+
+
+def test_tiled_images_take_as_many_tokens_as_the_processor_gives(tmp_path, folders, processors):
+    # InternVL's processor cuts each image into tiles (the tiny one: up to 4 of 28x28 + a thumbnail), so an
+    # image's token count depends on its size. The encoder measures it without pixels; dataset[i] checks
+    # those ids against the processor's, and the model (one feature per token) would refuse a mismatch.
+    processor = processors["internvl"]
+    image_processor = processor.image_processor
+    tile, max_tiles = image_processor.size["height"], image_processor.max_patches
+    model = _model(folders["internvl"], "internvl")
+    tiles_seen = set()
+    for width, height in [(28, 28), (64, 48), (100, 60), (30, 200)]:
+        Image.new("RGB", (width, height), (90, 200, 30)).save(tmp_path / f"{width}x{height}.png")
+        row = {"messages": [_user("What time?", [f"{width}x{height}.png"]), {"role": "assistant", "content": "1"}]}
+        path = tmp_path / f"{width}x{height}.jsonl"
+        path.write_text(json.dumps(row) + "\n")
+        sample = ConversationDataset(path, processor, max_seq_len=512)[0]
+        tiles = _internvl_tiles(width, height, tile, max_tiles)
+        assert sample["pixel_values"].shape[0] == tiles
+        n_image_tokens = int((sample["input_ids"] == processor.image_token_id).sum())
+        assert n_image_tokens == tiles * processor.image_seq_length
+        with torch.no_grad():
+            _forward(model, Collator(processor, fake_image=False)([sample]))
+        tiles_seen.add(tiles)
+    assert tiles_seen == {1, 3, 5}  # the sizes above exercise 1x1, 2x1 and 2x2 / 1x4 grids
+
+
 @pytest.mark.parametrize("kind", MLLM_KINDS)
 def test_fake_image_runs_the_vision_tower_without_changing_the_text(tmp_path, folders, processors, kind):
     processor = processors[kind]
@@ -279,14 +364,17 @@ def test_fake_image_runs_the_vision_tower_without_changing_the_text(tmp_path, fo
     plain = Collator(processor, fake_image=False)(samples)
     batch = Collator(processor, fake_image=True)(samples)
     assert "pixel_values" not in plain and "pixel_values" in batch
+    if kind == "smolvlm":  # one tile: the fake image is not split (a real SmolVLM2 would cut 4x4 + 1)
+        assert batch["pixel_values"].shape[:2] == batch["pixel_attention_mask"].shape[:2] == (1, 1)
     n_real = len(samples[0]["input_ids"])
     fake = slice(n_real, None)
     image_id = _expanded_image_token_id(processor)
     fake_is_image = batch["input_ids"][0, fake] == image_id
     # Qwen/LLaVA: image tokens only; Gemma 3: its image tokens between "\n\n<start_of_image>" and
-    # "<end_of_image>\n\n"
+    # "<end_of_image>\n\n"; InternVL: between "<img>" and "</img>"; SmolVLM: between
+    # <fake_token_around_image> markers
     assert fake_is_image.any() and (batch["attention_mask"][0, fake] == 0).all()
-    assert kind == "gemma3" or fake_is_image.all()
+    assert bool(fake_is_image.all()) == expands_to_image_tokens_only(processor)
     assert (batch["labels"][0, fake] == IGNORE_INDEX).all()
     assert torch.equal(batch["labels"][0, :n_real], samples[0]["labels"])
     if "mm_token_type_ids" in batch:
@@ -308,7 +396,7 @@ def test_fake_image_runs_the_vision_tower_without_changing_the_text(tmp_path, fo
     vision = [
         p
         for n, p in model.named_parameters()
-        if ("visual" in n or "vision_tower" in n) and p.grad is not None
+        if any(part in n for part in ("visual", "vision_tower", "vision_model")) and p.grad is not None
     ]
     assert vision, "the vision tower did not run"
     assert all(float(p.grad.abs().max()) == 0.0 for p in vision)  # ran, but the loss does not depend on it

@@ -3,13 +3,14 @@ peft's own merge_and_unload, and clear errors for recipes that cannot work."""
 
 import pytest
 import torch
+from torch import nn
 
 from ntil_ds.config import ConfigError, load_config
 from ntil_ds.model import load_model, model_part
-from ntil_ds.model.lora import merged_state_dict
+from ntil_ds.model.lora import merged_state_dict, save_lora_export
 from ntil_ds.model.tiny import build_tiny_model_folder
 
-KINDS = ("qwen2_vl", "llava", "qwen3_vl", "gemma3", "qwen2")
+KINDS = ("qwen2_vl", "llava", "qwen3_vl", "gemma3", "internvl", "smolvlm", "qwen2")
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +54,10 @@ def test_adapters_go_on_the_language_model_only(folders, kind):
         expected.add("base_model.model.model.visual.merger")
     elif kind == "qwen3_vl":
         expected |= {"base_model.model.model.visual.merger", "base_model.model.model.visual.deepstack_merger_list.0"}
-    elif kind == "llava":
+    elif kind in ("llava", "internvl"):  # (InternVL's vision tower has q/k/v_proj too: never adapted)
         expected.add("base_model.model.model.multi_modal_projector")
+    elif kind == "smolvlm":  # (SigLIP's q/k/v_proj in model.vision_model: never adapted)
+        expected.add("base_model.model.model.connector")
     elif kind == "gemma3":  # tied embeddings: one trained matrix, the embedding's copy, shared by the head
         expected = {"base_model.model.model.language_model.embed_tokens", "base_model.model.model.multi_modal_projector"}
         head = model.base_model.model.lm_head.modules_to_save["default"].weight
@@ -110,34 +113,41 @@ def test_qlora_random_init_is_an_error(folders):
         _cfg(folders["qwen2"], "lora.quantize=nf4")
 
 
-def test_qlora_loads_4bit_base_weights_and_trains_the_adapters_on_cpu(folders, tmp_path):
-    """bitsandbytes' nf4 runs on CPU: quantize at load, 4-bit forward, backward into the adapters. The
-    dequantized weights are checked against the 16-bit originals (nf4's error is a few % of the block's
-    largest value)."""
+def test_qlora_loads_the_language_model_in_4bit_and_trains_the_adapters_on_cpu(folders, tmp_path):
+    """bitsandbytes' nf4 runs on CPU: quantize at load, 4-bit forward, backward into the adapters. Exactly
+    the language model's linear layers are 4-bit (the head, projector and vision tower train or are small:
+    16-bit); the dequantized weights are checked against the originals (nf4's error is a few % of the
+    block's largest value). The merged export is a plain model that computes what the 4-bit model with
+    its adapters computes."""
     import bitsandbytes as bnb
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForImageTextToText
 
     torch.manual_seed(0)
-    original = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folders["qwen2"]), dtype=torch.bfloat16)
+    config = AutoConfig.from_pretrained(folders["qwen2_vl"])
+    original = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
     original.save_pretrained(tmp_path / "weights")
-    cfg = load_config(
-        None,
-        [
-            f"model.name_or_path={tmp_path / 'weights'}",
-            "model.init=pretrained",
-            "model.dtype=bfloat16",
-            "data.train_file=x",
-            "lora.enabled=true",
-            "lora.quantize=nf4",
-            "lora.dropout=0.0",
-        ],
+    model = _load(
+        tmp_path / "weights",
+        "model.init=pretrained",
+        "model.dtype=float32",
+        "lora.quantize=nf4",
+        "lora.dropout=0.0",
+        "lora.merge_on_export=true",
+        "model.freeze_projector=false",
     )
-    model = load_model(cfg.model, lora=cfg.lora).model
-    layer = model.base_model.model.model.layers[0].self_attn.q_proj
-    assert isinstance(layer.base_layer, bnb.nn.Linear4bit)
+    linear = {n.removeprefix("base_model.model."): m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    four_bit = {n for n, m in linear.items() if isinstance(m, bnb.nn.Linear4bit)}
+    # The reference: by where the layer sits (model_part), not by the rule under test.
+    language = {
+        n.removesuffix(".base_layer")
+        for n in linear
+        if model_part(f"{n}.weight") == "language_model" and ".lora_" not in n and "lm_head" not in n
+    }
+    assert {n.removesuffix(".base_layer") for n in four_bit} == language and len(language) == 14
+    layer = model.base_model.model.model.language_model.layers[0].self_attn.q_proj
     assert layer.base_layer.weight.quant_state.quant_type == "nf4"
     restored = bnb.functional.dequantize_4bit(layer.base_layer.weight.data, layer.base_layer.weight.quant_state)
-    reference = original.model.layers[0].self_attn.q_proj.weight
+    reference = original.model.language_model.layers[0].self_attn.q_proj.weight
     error = (restored.float() - reference.float()).abs()
     assert error.max() < 0.15 * reference.abs().max() and error.mean() < 0.03 * reference.abs().max()
     assert not torch.equal(restored, reference)  # it really is 4-bit
@@ -145,16 +155,61 @@ def test_qlora_loads_4bit_base_weights_and_trains_the_adapters_on_cpu(folders, t
     ids = torch.randint(0, 400, (2, 16))
     out = model(input_ids=ids, labels=ids)
     out.loss.backward()
-    grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    trained = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    assert any("merger.modules_to_save" in n for n in trained)  # (no image here: the projector gets no gradient)
+    grads = {n: g for n, g in trained.items() if "visual" not in n}
     assert all(g is not None and torch.isfinite(g).all() for g in grads.values())
     assert any("lora_B" in n and g.abs().sum() > 0 for n, g in grads.items())
+    assert any("lm_head.modules_to_save" in n and g.abs().sum() > 0 for n, g in grads.items())
     assert not any(p.requires_grad for n, p in model.named_parameters() if "base_layer" in n)
 
+    # The merged export: dequantized base + B A (alpha / r), loaded by plain transformers without bitsandbytes.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.1)  # (B starts at zero)
+        expected = model.eval()(input_ids=ids).logits
+    save_lora_export(model, model.state_dict(), tmp_path / "export")
+    assert model.get_base_model().hf_quantizer is not None  # (the training model is left as it was)
+    merged, info = AutoModelForImageTextToText.from_pretrained(
+        tmp_path / "export" / "merged", dtype=torch.float32, output_loading_info=True
+    )
+    assert not any(info.values()), info
+    assert getattr(merged.config, "quantization_config", None) is None
+    assert not any(isinstance(m, bnb.nn.Linear4bit) for m in merged.modules())
+    with torch.no_grad():
+        # (bitsandbytes' CPU 4-bit matmul rounds its inputs to bf16: equal to its precision)
+        got = merged.eval()(input_ids=ids).logits
+        torch.testing.assert_close(got, expected, rtol=0, atol=0.02 * expected.abs().max().item())
+        moved = (expected - original.eval()(input_ids=ids).logits).abs().max()
+        assert moved > 0.2 * expected.abs().max()  # the adapters mattered
+    # Exactly the dequantized weight plus the adapter, layer by layer.
+    q_proj = model.base_model.model.model.language_model.layers[0].self_attn.q_proj
+    want = bnb.functional.dequantize_4bit(q_proj.base_layer.weight.data, q_proj.base_layer.weight.quant_state)
+    want = want + 2.0 * q_proj.lora_B["default"].weight @ q_proj.lora_A["default"].weight  # alpha / r = 32 / 16
+    torch.testing.assert_close(merged.model.language_model.layers[0].self_attn.q_proj.weight, want)
 
-def test_qlora_under_deepspeed_is_refused_with_the_reason():
-    from ntil_ds.model.lora import quantization_kwargs
 
-    cfg = load_config(None, ["model.name_or_path=x", "data.train_file=x", "lora.enabled=true", "lora.quantize=nf4"])
-    with pytest.raises(ConfigError, match="does not train under DeepSpeed"):
-        quantization_kwargs(cfg.model, cfg.lora, under_deepspeed=True, device=None)
-    assert quantization_kwargs(cfg.model, cfg.lora, under_deepspeed=False, device=None)["device_map"] == {"": "cpu"}
+@pytest.mark.parametrize("kind", KINDS)
+def test_qlora_quantizes_exactly_the_language_models_linear_layers(folders, kind):
+    """The rule the 4-bit load follows (transformers' skip patterns), for every family's real module
+    names, against where each layer sits."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from ntil_ds.model.lora import is_quantized_linear, quantization_kwargs
+
+    cfg = _cfg(folders[kind], "model.init=pretrained", "lora.quantize=nf4")
+    config = AutoConfig.from_pretrained(folders[kind])
+    has_vision = getattr(config, "vision_config", None) is not None
+    with torch.device("meta"):
+        model = (AutoModelForImageTextToText if has_vision else AutoModelForCausalLM).from_config(config)
+    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    expected = {
+        n for n in names if not n.endswith("lm_head") and (not has_vision or model_part(f"{n}.weight") == "language_model")
+    }
+    assert {n for n in names if is_quantized_linear(n, cfg.lora)} == expected
+    assert expected and (not has_vision or len(expected) < len(names) - 1)  # some vision layers stay 16-bit
+    # ZeRO-3 places the weights itself (transformers refuses a device_map there); without it, the model
+    # is quantized straight onto the training device.
+    assert "device_map" not in quantization_kwargs(cfg.model, cfg.lora, device=None, partitioned=True)
+    assert quantization_kwargs(cfg.model, cfg.lora, device=None)["device_map"] == {"": "cpu"}

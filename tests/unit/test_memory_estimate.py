@@ -29,10 +29,10 @@ def _cfg(model, *overrides):
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny_mem")
-    return {kind: build_tiny_model_folder(kind, root / kind) for kind in ("qwen2_vl", "gemma3")}
+    return {kind: build_tiny_model_folder(kind, root / kind) for kind in ("qwen2_vl", "gemma3", "internvl", "smolvlm")}
 
 
-@pytest.mark.parametrize("kind", ["qwen2_vl", "gemma3"])
+@pytest.mark.parametrize("kind", ["qwen2_vl", "gemma3", "internvl", "smolvlm"])
 def test_parameter_counts_equal_deepspeeds_count_of_the_real_model(tiny, kind):
     from deepspeed.runtime.zero.stage3 import model_to_params
     from transformers import AutoConfig, AutoModelForImageTextToText
@@ -50,6 +50,8 @@ PUBLISHED_B = {
     "Qwen/Qwen2.5-VL-7B-Instruct": 8.29,
     "Qwen/Qwen3-VL-8B-Instruct": 8.77,
     "google/gemma-3-4b-it": 4.30,
+    "OpenGVLab/InternVL3-8B-hf": 7.94,
+    "HuggingFaceTB/SmolVLM2-2.2B-Instruct": 2.25,
     "llava-hf/llava-1.5-7b-hf": 7.06,
     "Qwen/Qwen2.5-7B-Instruct": 7.62,
 }
@@ -121,7 +123,13 @@ def test_lora_and_qlora_shrink_what_they_should():
     assert full.weights < lora.weights < 1.1 * full.weights
     assert lora.optimizer_states < 0.1 * full.optimizer_states
     assert qlora.counts.trainable == lora.counts.trainable
-    assert qlora.weights < 0.45 * lora.weights  # 4-bit linear layers; embeddings and head stay 16-bit
+    # 4-bit: exactly the language model's attention and MLP matrices; the vision tower, projectors,
+    # embeddings and head stay 16-bit.
+    text = hf_config_for(name).get_text_config()
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    attention = 2 * text.hidden_size * head_dim * (text.num_attention_heads + text.num_key_value_heads)
+    assert qlora.counts.quantized == text.num_hidden_layers * (attention + 3 * text.hidden_size * text.intermediate_size)
+    assert qlora.weights < 0.5 * lora.weights
     assert qlora.total < lora.total < full.total
 
 

@@ -11,7 +11,7 @@ from ntil_ds.model.tiny import build_tiny_model_folder
 @pytest.fixture(scope="module")
 def tiny_folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny_models")
-    return {kind: build_tiny_model_folder(kind, root / kind) for kind in ("qwen2_vl", "llava", "qwen2", "qwen3_vl", "gemma3")}
+    return {kind: build_tiny_model_folder(kind, root / kind) for kind in ("qwen2_vl", "llava", "qwen2", "qwen3_vl", "gemma3", "internvl", "smolvlm")}
 
 
 def model_cfg(folder, *overrides):
@@ -49,7 +49,7 @@ def test_attention_choice_without_flash_attn():
             resolve_attn_implementation("flash_attention_2")
 
 
-@pytest.mark.parametrize("kind", ["qwen2_vl", "llava", "qwen3_vl", "gemma3"])
+@pytest.mark.parametrize("kind", ["qwen2_vl", "llava", "qwen3_vl", "gemma3", "internvl", "smolvlm"])
 def test_freeze_flags_address_the_same_parts_across_families(tiny_folders, kind):
     every = trainable_parts(load_model(model_cfg(tiny_folders[kind])).model)
     assert every == {"vision_tower": True, "projector": True, "language_model": True}

@@ -31,6 +31,8 @@ TINY_STAND_IN = {
     "Qwen/Qwen2.5-7B-Instruct": "qwen2",
     "Qwen/Qwen3-VL-8B-Instruct": "qwen3_vl",
     "google/gemma-3-4b-it": "gemma3",
+    "OpenGVLab/InternVL3-8B-hf": "internvl",
+    "HuggingFaceTB/SmolVLM2-2.2B-Instruct": "smolvlm",
 }
 
 # Keys the recipe owns (engine.merge_deepspeed_config sets them); a JSON must not carry them.

@@ -20,7 +20,7 @@ from transformers import (
 from ntil_ds.data.processor import load_processor, tokenizer_of
 from ntil_ds.model.tiny import TINY_KINDS, build_tiny_model_folder
 
-MLLM_KINDS = ("qwen2_vl", "qwen2_5_vl", "llava", "qwen3_vl", "gemma3")
+MLLM_KINDS = ("qwen2_vl", "qwen2_5_vl", "llava", "qwen3_vl", "gemma3", "internvl", "smolvlm")
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +72,8 @@ def test_mllm_folder_loads_and_trains(folders, kind):
     vision_grads = [
         p.grad
         for n, p in model.named_parameters()
-        if ("visual" in n or "vision_tower" in n or "multi_modal_projector" in n) and p.grad is not None
+        if any(part in n for part in ("visual", "vision_tower", "multi_modal_projector", "vision_model", "connector"))
+        and p.grad is not None
     ]
     assert vision_grads and all(torch.isfinite(g).all() for g in vision_grads)
     assert any(g.abs().sum() > 0 for g in vision_grads)  # the image reached the loss
@@ -107,8 +108,10 @@ def test_saved_processor_loads_back_the_same(folders, tmp_path, kind):
         "LlavaProcessor",
         "Qwen3VLProcessor",
         "Gemma3Processor",
+        "InternVLProcessor",
+        "SmolVLMProcessor",
     )
-    if kind.startswith("qwen"):
+    if kind.startswith("qwen") or kind in ("internvl", "smolvlm"):  # processors with a video slot (not built)
         assert (tmp_path / "export" / "video_preprocessor_config.json").is_file()
     first, second = _encode_image_sample(processor), _encode_image_sample(again)
     assert first.keys() == second.keys()
