@@ -63,8 +63,8 @@ class LoraConfig:
     # Comma-separated modules trained in full and saved with the adapter. NTIL's gradient reaches the
     # digits through the output head: keep lm_head here (embed_tokens too for tied-embedding models).
     modules_to_save: str = "lm_head"
-    # nf4: QLoRA, the frozen base weights loaded in 4 bits (bitsandbytes). One process only for now: the
-    # trainer refuses it under DeepSpeed (ntil_ds/model/lora.py says why); the estimator covers it.
+    # nf4: QLoRA, the language model's frozen linear weights loaded in 4 bits (bitsandbytes); the head,
+    # projector and vision tower stay 16-bit (ntil_ds/model/lora.py). ZeRO-2 and ZeRO-3.
     quantize: Literal["none", "nf4"] = "none"
     # Also write export/merged/: base + adapters merged, loads with plain from_pretrained.
     merge_on_export: bool = False

@@ -87,6 +87,15 @@ def merge_deepspeed_config(cfg: Config, ds_json: dict[str, Any], data_parallel_s
             )
         merged[key] = value
 
+    if cfg.lora.enabled and tensor_parallel_size(ds_json) > 1:
+        # AutoTP shards nn.Linear layers; peft's adapter layers (and QLoRA's 4-bit ones) are not among
+        # the layers it knows, and no test here runs the combination.
+        raise ConfigError(
+            f"lora.enabled=true with tensor_parallel.autotp_size={tensor_parallel_size(ds_json)} in {source}: "
+            "LoRA / QLoRA train under ZeRO-2 or ZeRO-3 without AutoTP; use a DeepSpeed JSON without the "
+            "tensor_parallel block (configs/deepspeed/zero3.json)"
+        )
+
     for block in _RECIPE_OWNED_BLOCKS:
         if block in merged:
             raise ConfigError(

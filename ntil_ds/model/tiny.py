@@ -222,10 +222,6 @@ def _save_qwen_vl_processor(out_dir: Path, processor_class: str, tokenizer) -> N
     torchvision exists and with `ntil_ds.data.load_processor` everywhere.
     """
     image_processor = _qwen_vl_image_processor()
-    tokenizer.save_pretrained(out_dir)
-    image_processor.save_pretrained(out_dir)
-    (out_dir / "chat_template.jinja").write_text(tokenizer.chat_template)
-    (out_dir / "processor_config.json").write_text(json.dumps({"processor_class": processor_class}, indent=2))
     video_config = {
         "video_processor_type": "Qwen2VLVideoProcessor",
         "cap_pixels_per_frame": True,
@@ -236,6 +232,18 @@ def _save_qwen_vl_processor(out_dir: Path, processor_class: str, tokenizer) -> N
         "image_mean": image_processor.image_mean,
         "image_std": image_processor.image_std,
     }
+    _save_processor_files(out_dir, tokenizer, image_processor, {"processor_class": processor_class}, video_config)
+
+
+def _save_processor_files(
+    out_dir: Path, tokenizer, image_processor, processor_config: dict, video_config: dict
+) -> None:
+    """The files of a Hub processor folder, for processors that need torchvision to be built (a video
+    slot): tokenizer, image processor, chat template, processor settings, video processor settings."""
+    tokenizer.save_pretrained(out_dir)
+    image_processor.save_pretrained(out_dir)
+    (out_dir / "chat_template.jinja").write_text(tokenizer.chat_template)
+    (out_dir / "processor_config.json").write_text(json.dumps(processor_config, indent=2))
     (out_dir / "video_preprocessor_config.json").write_text(json.dumps(video_config, indent=2))
 
 
@@ -507,18 +515,14 @@ def _build_internvl(out_dir: Path) -> None:
         image_std=[0.229, 0.224, 0.225],
     )
     config.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
-    image_processor.save_pretrained(out_dir)
-    (out_dir / "chat_template.jinja").write_text(INTERNVL_CHAT_TEMPLATE)
     processor_config = {"processor_class": "InternVLProcessor", "image_seq_length": _INTERNVL_TOKENS_PER_TILE}
-    (out_dir / "processor_config.json").write_text(json.dumps(processor_config, indent=2))
     video_config = {
         "video_processor_type": "InternVLVideoProcessor",
         "size": {"height": _INTERNVL_IMAGE_SIZE, "width": _INTERNVL_IMAGE_SIZE},
         "image_mean": image_processor.image_mean,
         "image_std": image_processor.image_std,
     }
-    (out_dir / "video_preprocessor_config.json").write_text(json.dumps(video_config, indent=2))
+    _save_processor_files(out_dir, tokenizer, image_processor, processor_config, video_config)
 
 
 # SmolVLM (SmolVLM2-2.2B-Instruct's layout): SigLIP on 28x28 tiles in 7x7 patches (4x4 = 16), pixel-shuffled
@@ -593,17 +597,13 @@ def _build_smolvlm(out_dir: Path) -> None:
     }
     image_processor = SmolVLMImageProcessorPil(do_image_splitting=True, **sizes)
     config.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
-    image_processor.save_pretrained(out_dir)
-    (out_dir / "chat_template.jinja").write_text(SMOLVLM_CHAT_TEMPLATE)
     processor_config = {"processor_class": "SmolVLMProcessor", "image_seq_len": _SMOLVLM_IMAGE_TOKENS}
-    (out_dir / "processor_config.json").write_text(json.dumps(processor_config, indent=2))
     video_config = {
         "video_processor_type": "SmolVLMVideoProcessor",
         **sizes,
         "video_sampling": {"fps": 1, "max_frames": 8, "video_size": {"longest_edge": _SMOLVLM_TILE}},
     }
-    (out_dir / "video_preprocessor_config.json").write_text(json.dumps(video_config, indent=2))
+    _save_processor_files(out_dir, tokenizer, image_processor, processor_config, video_config)
 
 
 _BUILDERS = {

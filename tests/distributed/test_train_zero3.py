@@ -1,5 +1,6 @@
-"""The real job, 2 CPU processes on ZeRO-3: NTIL trains tiny Qwen2-VL, LLaVA, Qwen3-VL, Gemma 3 and
-InternVL on mixed text/image batches, a killed job resumes exactly, and the export loads without DeepSpeed.
+"""The real job, 2 CPU processes on ZeRO-3: NTIL trains tiny Qwen2-VL, LLaVA, Qwen3-VL, Gemma 3,
+InternVL and SmolVLM on mixed text/image batches, a killed job resumes exactly, and the export loads
+without DeepSpeed.
 
 One uninterrupted Qwen2-VL run (deepspeed launcher) serves several tests: loss falls, the resume
 reference, the export check.

@@ -41,8 +41,8 @@ def inject(fault: str) -> None:
     elif kind == "usr1_during_save":
         real_engine_save = ntil_ds.engine.TrainingEngine.save_checkpoint
 
-        def save_then_signal(self, save_dir, tag_now, client_state):
-            real_engine_save(self, save_dir, tag_now, client_state)
+        def save_then_signal(self, save_dir, tag_now, client_state, **kwargs):
+            real_engine_save(self, save_dir, tag_now, client_state, **kwargs)
             if tag_now == tag:
                 os.kill(os.getpid(), signal.SIGUSR1)
 
