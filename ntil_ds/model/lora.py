@@ -262,8 +262,10 @@ def save_lora_export(model: nn.Module, state_dict: dict[str, torch.Tensor], out_
     lora: LoraConfig = getattr(model, _LORA_CONFIG_ATTR)
     model.save_pretrained(out_dir, state_dict=state_dict, safe_serialization=True)
     if lora.merge_on_export:
-        merged = merged_state_dict(dequantized_state_dict(model, state_dict), scaling=lora.alpha / lora.r)
         base = model.get_base_model()
+        if getattr(base, "hf_quantizer", None) is not None:  # QLoRA
+            state_dict = dequantized_state_dict(model, state_dict)
+        merged = merged_state_dict(state_dict, scaling=lora.alpha / lora.r)
         recorded = base.__dict__.pop("_weight_conversions", None)  # see checkpoint.export_hf_folder
         try:
             with _seen_as_unquantized(base):
@@ -295,16 +297,12 @@ def _seen_as_unquantized(model: nn.Module) -> Iterator[None]:
 
 def dequantized_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``state_dict`` with each of ``model``'s 4-bit weights as a 16-bit tensor (its quantization state
-    entries dropped); unchanged for a model without 4-bit layers."""
-    try:
-        import bitsandbytes as bnb
-    except ImportError:  # (an optional dependency: without it there are no 4-bit layers)
-        return state_dict
-    four_bit = [(name, module) for name, module in model.named_modules() if isinstance(module, bnb.nn.Linear4bit)]
-    if not four_bit:
-        return state_dict
-    result = {k: v for k, v in state_dict.items() if not any(k.startswith(f"{n}.weight.") for n, _ in four_bit)}
-    for name, module in four_bit:
+    entries, ``<weight>.absmax`` and the like, dropped)."""
+    import bitsandbytes as bnb
+
+    four_bit = {name: module for name, module in model.named_modules() if isinstance(module, bnb.nn.Linear4bit)}
+    result = {k: v for k, v in state_dict.items() if k.split(".weight.")[0] not in four_bit}
+    for name, module in four_bit.items():
         quant_state = module.weight.quant_state  # (every rank holds it whole; ZeRO-3 splits only the data)
         packed = state_dict[f"{name}.weight"].to(quant_state.absmax.device)
         result[f"{name}.weight"] = bnb.functional.dequantize_4bit(packed, quant_state).to(quant_state.dtype).cpu()
