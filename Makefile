@@ -36,6 +36,7 @@ demo: setup
 
 test: setup system-deps
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/python -m pytest -q --durations=15
 
 lint: setup

@@ -56,10 +56,14 @@ def main(argv: list[str] | None = None) -> int:
         argv = sys.argv[1:]
     if argv and argv[0] == "--update-recipes":
         return update_recipes(argv[1:])
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("recipe")
     parser.add_argument("--gpus", type=int, required=True, help="GPUs in the job (all nodes)")
-    parser.add_argument("--gpu-memory-gb", type=float, required=True, help="memory of one GPU, GB (1e9 bytes)")
+    parser.add_argument(
+        "--gpu-memory-gb", type=float, required=True, help="memory of one GPU, GB (1e9 bytes)"
+    )
     parser.add_argument("--json", action="store_true", help="print the numbers as JSON")
     parser.add_argument("overrides", nargs="*", help="key=value recipe overrides")
     args = parser.parse_intermixed_args(argv)

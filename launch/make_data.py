@@ -24,7 +24,10 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="output folder")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--difficulty", choices=DIFFICULTIES, default="standard", help="easy: small enough for a tiny CPU model"
+        "--difficulty",
+        choices=DIFFICULTIES,
+        default="standard",
+        help="easy: small enough for a tiny CPU model",
     )
     args = parser.parse_args()
     started = time.perf_counter()

@@ -18,7 +18,9 @@ def main() -> None:
     )
     parser.add_argument("kind", choices=TINY_KINDS)
     parser.add_argument("--out", required=True, help="folder to write (created if missing)")
-    parser.add_argument("--size", choices=list(TINY_SIZES), default="tiny", help="small: learns the easy tasks")
+    parser.add_argument(
+        "--size", choices=list(TINY_SIZES), default="tiny", help="small: learns the easy tasks"
+    )
     args = parser.parse_args()
     folder = build_tiny_model_folder(args.kind, args.out, size=args.size)
     print(f"wrote tiny {args.kind} model folder: {folder}")

@@ -35,7 +35,6 @@ from ntil_ds.tracking import resolve_tracking_uri
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-
 @dataclass(frozen=True)
 class Demo:
     recipe: Path
@@ -50,17 +49,38 @@ class Demo:
 
 DEMOS = {
     # The best constant answer to a + b (a, b uniform in 0..99) is 99: mean absolute error 33.
-    "arithmetic": Demo(REPO_ROOT / "configs" / "train" / "tiny_qwen2_arithmetic.yaml", "qwen2", "tiny", 3000,
-                       (), "abs_error", 33.0, "always answering 99"),
+    "arithmetic": Demo(
+        REPO_ROOT / "configs" / "train" / "tiny_qwen2_arithmetic.yaml",
+        "qwen2",
+        "tiny",
+        3000,
+        (),
+        "abs_error",
+        33.0,
+        "always answering 99",
+    ),
     # Any answer that ignores the dial is off by 180 minutes on average on a 12-hour dial. The recipe's
     # step count is shared with the tests: the demo trains longer. A vision tower trained from random
     # weights at this learning rate collapses to a constant output (docs/results.md); frozen, its random
     # features still tell the dials apart and the rest of the model learns to read them.
-    "clock": Demo(REPO_ROOT / "configs" / "train" / "tiny_qwen2vl_clock.yaml", "qwen2_vl", "small", 2000,
-                  ("train.max_steps=600", "train.micro_batch_size=8", "train.global_batch_size=16",
-                   "train.save_every=0", "train.log_every=50", "optim.warmup_steps=20",
-                   "model.freeze_vision_tower=true"),
-                  "clock_dev_minutes", 180.0, "any answer that ignores the dial"),
+    "clock": Demo(
+        REPO_ROOT / "configs" / "train" / "tiny_qwen2vl_clock.yaml",
+        "qwen2_vl",
+        "small",
+        2000,
+        (
+            "train.max_steps=600",
+            "train.micro_batch_size=8",
+            "train.global_batch_size=16",
+            "train.save_every=0",
+            "train.log_every=50",
+            "optim.warmup_steps=20",
+            "model.freeze_vision_tower=true",
+        ),
+        "clock_dev_minutes",
+        180.0,
+        "any answer that ignores the dial",
+    ),
 }
 
 

@@ -133,7 +133,9 @@ def find_resume_checkpoint(resume: str, output_dir: str | Path) -> Path | None:
             damage = checkpoint_damage(path)
             if damage is None:
                 return path
-            log.warning("checkpoint %s is damaged (%s): not resuming from it; trying the one before", path, damage)
+            log.warning(
+                "checkpoint %s is damaged (%s): not resuming from it; trying the one before", path, damage
+            )
         return None
     path = Path(resume)
     if not (path / COMPLETE_MARKER).is_file():
@@ -143,7 +145,9 @@ def find_resume_checkpoint(resume: str, output_dir: str | Path) -> Path | None:
         )
     damage = checkpoint_damage(path)
     if damage is not None:
-        raise ConfigError(f"resume={resume}: the checkpoint is damaged ({damage}); give an intact one or resume=auto")
+        raise ConfigError(
+            f"resume={resume}: the checkpoint is damaged ({damage}); give an intact one or resume=auto"
+        )
     return path
 
 
@@ -171,20 +175,31 @@ def check_resume_config(checkpoint: Path, cfg: Config) -> None:
     outside :data:`RESUMABLE_CHANGES` (``resume=force``: warn instead)."""
     saved_file = checkpoint / CONFIG_FILE
     if not saved_file.is_file():
-        log.warning("%s has no %s (written by an older ntil-ds): the config cannot be compared", checkpoint, CONFIG_FILE)
+        log.warning(
+            "%s has no %s (written by an older ntil-ds): the config cannot be compared",
+            checkpoint,
+            CONFIG_FILE,
+        )
         return
     saved, current = flatten(load_config(saved_file)), flatten(cfg)
     differing = {
         key: (saved.get(key), current.get(key))
         for key in sorted(saved.keys() | current.keys())
         if saved.get(key) != current.get(key)
-        and not any(key == allowed or (allowed.endswith(".") and key.startswith(allowed)) for allowed in RESUMABLE_CHANGES)
+        and not any(
+            key == allowed or (allowed.endswith(".") and key.startswith(allowed))
+            for allowed in RESUMABLE_CHANGES
+        )
     }
     if not differing:
         return
-    listing = "\n".join(f"  {key}: {old!r} in the checkpoint, {new!r} now" for key, (old, new) in differing.items())
+    listing = "\n".join(
+        f"  {key}: {old!r} in the checkpoint, {new!r} now" for key, (old, new) in differing.items()
+    )
     if cfg.resume == "force":
-        log.warning("resume=force: resuming %s with a config that differs from its own:\n%s", checkpoint, listing)
+        log.warning(
+            "resume=force: resuming %s with a config that differs from its own:\n%s", checkpoint, listing
+        )
         return
     raise ConfigError(
         f"output_dir={cfg.output_dir} holds checkpoint {checkpoint.name} of a run with another config; "
@@ -236,8 +251,11 @@ def save_checkpoint(
             e.errno,
             f"rank {dist_info.rank} could not write its part of checkpoint {path} ({e}). That folder is "
             "not marked complete and will never be resumed from; "
-            + (f"the newest complete checkpoint, {intact[-1]}, is untouched and resume=auto continues from it"
-               if intact else "there is no earlier complete checkpoint")
+            + (
+                f"the newest complete checkpoint, {intact[-1]}, is untouched and resume=auto continues from it"
+                if intact
+                else "there is no earlier complete checkpoint"
+            )
             + ". Free space (or fix the mount) and start the job again.",
         ) from e
     # Every rank's files must be on disk before the folder is called complete. Each rank reports the

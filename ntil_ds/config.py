@@ -348,14 +348,18 @@ def _validate_lora(cfg: Config) -> None:
     lora = cfg.lora
     if not lora.enabled:
         if lora.quantize != "none":
-            raise ConfigError(f"lora.quantize={lora.quantize} needs lora.enabled=true (QLoRA is LoRA on 4-bit weights)")
+            raise ConfigError(
+                f"lora.quantize={lora.quantize} needs lora.enabled=true (QLoRA is LoRA on 4-bit weights)"
+            )
         return
     if lora.r <= 0 or lora.alpha <= 0:
         raise ConfigError(f"lora.r={lora.r} and lora.alpha={lora.alpha} must be > 0")
     if not 0.0 <= lora.dropout < 1.0:
         raise ConfigError(f"lora.dropout={lora.dropout} must be in [0, 1)")
     if cfg.model.freeze_language_model:
-        raise ConfigError("lora.enabled=true trains adapters in the language model: set model.freeze_language_model=false")
+        raise ConfigError(
+            "lora.enabled=true trains adapters in the language model: set model.freeze_language_model=false"
+        )
     if lora.quantize != "none" and cfg.model.init != "pretrained":
         raise ConfigError(
             f"lora.quantize={lora.quantize} quantizes pretrained weights as they load: set model.init=pretrained "

@@ -387,6 +387,7 @@ def _load_weights_but_frozen_may_be_missing(src: dict[str, torch.Tensor], dst: t
     result = dst.load_state_dict(src, strict=False)
     frozen = {name for name, p in dst.named_parameters(remove_duplicate=False) if not p.requires_grad}
     missing = [name for name in result.missing_keys if name not in frozen]
+
     # A 4-bit weight's quantization state ("<weight>.absmax", "<weight>.quant_state.bitsandbytes__nf4")
     # is saved even when the frozen weight itself is left out; the loaded model has it already.
     def quantized_weight(key: str) -> str:

@@ -153,7 +153,10 @@ def _score_boxes(predictions, references) -> dict[str, float]:
     preds = [parse_box(p) for p in predictions]
     ious = [box_iou(p, r) if p is not None else 0.0 for p, r in zip(preds, refs, strict=True)]
     coordinate_errors = [
-        abs(a - b) for p, r in zip(preds, refs, strict=True) if p is not None for a, b in zip(p, r, strict=True)
+        abs(a - b)
+        for p, r in zip(preds, refs, strict=True)
+        if p is not None
+        for a, b in zip(p, r, strict=True)
     ]
     return {
         "parsed": sum(p is not None for p in preds),

@@ -104,7 +104,9 @@ def build_loss(cfg: Config, tokenizer: Any) -> NTILLoss | NTLLoss:
     the ntloss package's number token loss (:mod:`ntil_ds.loss.ntl`)."""
     c = cfg.loss
     if c.name == "ntl":
-        return NTLLoss(build_loss(replace(cfg, loss=replace(c, name="ce")), tokenizer), tokenizer, c.ntl_lambda)
+        return NTLLoss(
+            build_loss(replace(cfg, loss=replace(c, name="ce")), tokenizer), tokenizer, c.ntl_lambda
+        )
     point_id = minus_id = None
     if c.decimal_numbers or c.signed_numbers:
         minus_id, point_id = number_sign_and_point_ids_from_tokenizer(tokenizer)
@@ -430,7 +432,9 @@ class Trainer:
         self, logits: torch.Tensor, micro_batch: MicroBatch, generator: torch.Generator | None
     ) -> NTILOutput:
         labels = micro_batch.tensors["labels"].to(self.device, non_blocking=True)
-        packing = {k: micro_batch.tensors[k].to(self.device) for k in PACKING_KEYS if k in micro_batch.tensors}
+        packing = {
+            k: micro_batch.tensors[k].to(self.device) for k in PACKING_KEYS if k in micro_batch.tensors
+        }
         shard = self.vocab_shard
         return self.loss_fn(
             logits,
@@ -449,7 +453,9 @@ class Trainer:
         tensors = micro_batch.tensors
         skip = {"labels", *PACKING_KEYS, *(("attention_mask",) if "unpack_index" in tensors else ())}
         return {
-            key: value.to(self.device, dtype=dtype if value.is_floating_point() else value.dtype, non_blocking=True)
+            key: value.to(
+                self.device, dtype=dtype if value.is_floating_point() else value.dtype, non_blocking=True
+            )
             for key, value in tensors.items()
             if key not in skip
         }

@@ -122,7 +122,9 @@ def image_replacement(processor, size: tuple[int, int]) -> str:
             return_text_replacement_offsets=True,
             add_special_tokens=False,
         )
-        (replacement,) = [r["replacement"] for r in out["text_replacement_offsets"][0] if r["type"] == "image"]
+        (replacement,) = [
+            r["replacement"] for r in out["text_replacement_offsets"][0] if r["type"] == "image"
+        ]
         cache[size] = replacement
     return cache[size]
 

@@ -119,7 +119,9 @@ def _image_only_class(processor_class: type) -> type:
     # `to_dict` saves the other arguments it names (e.g. InternVL's image_seq_length).
     stock = inspect.signature(processor_class.__init__)
     unbuilt = set(processor_class.get_attributes()) - {"image_processor", "tokenizer"}
-    __init__.__signature__ = stock.replace(parameters=[p for p in stock.parameters.values() if p.name not in unbuilt])
+    __init__.__signature__ = stock.replace(
+        parameters=[p for p in stock.parameters.values() if p.name not in unbuilt]
+    )
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         saved = processor_class.save_pretrained(self, save_directory, *args, **kwargs)

@@ -46,7 +46,7 @@ _LORA_CONFIG_ATTR = "ntil_lora_config"
 
 
 def split_names(value: str) -> list[str]:
-    """"a, b,c" -> ["a", "b", "c"] (recipes write module lists as one comma-separated string)."""
+    """ "a, b,c" -> ["a", "b", "c"] (recipes write module lists as one comma-separated string)."""
     return [name.strip() for name in value.split(",") if name.strip()]
 
 
@@ -113,7 +113,9 @@ def apply_lora(model: nn.Module, cfg: ModelConfig, lora: LoraConfig) -> nn.Modul
             "(a fully trained vision tower would be copied whole into the adapter)"
         )
     if cfg.freeze_language_model:
-        raise ConfigError("lora.enabled=true trains the language model's adapters: set model.freeze_language_model=false")
+        raise ConfigError(
+            "lora.enabled=true trains the language model's adapters: set model.freeze_language_model=false"
+        )
     targets = lora_target_names(model, lora)
     to_save = _modules_to_save(model, cfg, lora)
     peft_config = PeftLoraConfig(
@@ -300,12 +302,16 @@ def dequantized_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]
     entries, ``<weight>.absmax`` and the like, dropped)."""
     import bitsandbytes as bnb
 
-    four_bit = {name: module for name, module in model.named_modules() if isinstance(module, bnb.nn.Linear4bit)}
+    four_bit = {
+        name: module for name, module in model.named_modules() if isinstance(module, bnb.nn.Linear4bit)
+    }
     result = {k: v for k, v in state_dict.items() if k.split(".weight.")[0] not in four_bit}
     for name, module in four_bit.items():
         quant_state = module.weight.quant_state  # (every rank holds it whole; ZeRO-3 splits only the data)
         packed = state_dict[f"{name}.weight"].to(quant_state.absmax.device)
-        result[f"{name}.weight"] = bnb.functional.dequantize_4bit(packed, quant_state).to(quant_state.dtype).cpu()
+        result[f"{name}.weight"] = (
+            bnb.functional.dequantize_4bit(packed, quant_state).to(quant_state.dtype).cpu()
+        )
     return result
 
 

@@ -258,7 +258,10 @@ class Estimate:
             ("optimizer states", self.optimizer_states),
             ("ZeRO-3 live parameters", self.zero3_live_parameters),
             ("logits and loss", self.logits_and_loss),
-            (f"activations (checkpointing {'on' if self.gradient_checkpointing else 'off'})", self.activations),
+            (
+                f"activations (checkpointing {'on' if self.gradient_checkpointing else 'off'})",
+                self.activations,
+            ),
         ]
         lines = [
             f"{self.method}, ZeRO-{self.stage}{' + ' + self.offload + ' offload' if self.offload != 'none' else ''}, "

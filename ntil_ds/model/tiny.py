@@ -232,7 +232,9 @@ def _save_qwen_vl_processor(out_dir: Path, processor_class: str, tokenizer) -> N
         "image_mean": image_processor.image_mean,
         "image_std": image_processor.image_std,
     }
-    _save_processor_files(out_dir, tokenizer, image_processor, {"processor_class": processor_class}, video_config)
+    _save_processor_files(
+        out_dir, tokenizer, image_processor, {"processor_class": processor_class}, video_config
+    )
 
 
 def _save_processor_files(

@@ -596,7 +596,9 @@ def import_journal(journal: Path, uri: str) -> list[tuple[str, RunWriter]]:
     for _, record in read_records(journal, bad_lines=bad_lines):
         sessions.setdefault(record["session"], []).append(record)
     if bad_lines:
-        logger.warning("%s: %d corrupt line(s) skipped, at byte offsets %s", journal, len(bad_lines), bad_lines[:10])
+        logger.warning(
+            "%s: %d corrupt line(s) skipped, at byte offsets %s", journal, len(bad_lines), bad_lines[:10]
+        )
     done = []
     for session, records in sessions.items():
         content = [r for r in records if r["kind"] not in ("start", "run")]

@@ -44,7 +44,9 @@ def assert_weights_are_those_after_step_1(out: Path) -> None:
     from transformers import AutoModelForImageTextToText
 
     after_step_1 = get_fp32_state_dict_from_zero_checkpoint(str(out / "checkpoints"), tag="step_00000001")
-    after_nan = AutoModelForImageTextToText.from_pretrained(out / "after_nan", dtype=torch.float32).state_dict()
+    after_nan = AutoModelForImageTextToText.from_pretrained(
+        out / "after_nan", dtype=torch.float32
+    ).state_dict()
     for name, value in after_step_1.items():
         assert torch.equal(after_nan[name], value), name
 

@@ -42,7 +42,9 @@ LORA = {
 def setup(tmp_path_factory):
     from transformers import AutoConfig, AutoModelForImageTextToText
 
-    root, model_dir, data_file = tiny_model_and_data(tmp_path_factory.mktemp("lora"), "qwen2_vl", n=48, image_size=56)
+    root, model_dir, data_file = tiny_model_and_data(
+        tmp_path_factory.mktemp("lora"), "qwen2_vl", n=48, image_size=56
+    )
     torch.manual_seed(0)  # a "pretrained" base: random weights saved in the folder
     base = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.float32)
     base.save_pretrained(model_dir)
@@ -174,7 +176,11 @@ QLORA = {**LORA, "lora.quantize": "nf4", "train.max_steps": 4, "train.save_every
 def qlora_zero2(setup):
     root, model_dir, data_file = setup
     out = root / "qlora_zero2"
-    overrides = {**base_overrides(model_dir, data_file, out), **QLORA, "deepspeed": "configs/deepspeed/zero2.json"}
+    overrides = {
+        **base_overrides(model_dir, data_file, out),
+        **QLORA,
+        "deepspeed": "configs/deepspeed/zero2.json",
+    }
     result = run_training(overrides)
     assert result.returncode == 0, result.stdout[-6000:]
     return out, result.stdout

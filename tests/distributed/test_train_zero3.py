@@ -86,7 +86,9 @@ def test_ntil_loss_falls_on_mixed_text_and_image_batches(qwen_setup, uninterrupt
     # with CE alone, so the loss curve below cannot show this.)
     root, model_dir, data_file = qwen_setup
     ce_out = root / "ce_one_step"
-    ce = run_training({**base_overrides(model_dir, data_file, ce_out), "loss.name": "ce", "train.max_steps": 1})
+    ce = run_training(
+        {**base_overrides(model_dir, data_file, ce_out), "loss.name": "ce", "train.max_steps": 1}
+    )
     assert ce.returncode == 0, ce.stdout[-4000:]
     ce_step = train_metrics(ce_out)[1]
     assert ce_step["ce"] == pytest.approx(metrics[1]["ce"], rel=1e-6)
@@ -191,7 +193,11 @@ def test_other_families_ntil_loss_falls_and_export_reloads(tmp_path, kind):
 
     root, model_dir, data_file = tiny_model_and_data(tmp_path, kind, n=48, image_size=OTHER_FAMILIES[kind])
     out = root / "run"
-    overrides = {**base_overrides(model_dir, data_file, out), "train.save_every": 0, "train.export_at_end": "true"}
+    overrides = {
+        **base_overrides(model_dir, data_file, out),
+        "train.save_every": 0,
+        "train.export_at_end": "true",
+    }
     result = run_training(overrides)
     assert result.returncode == 0, result.stdout[-6000:]
     metrics = train_metrics(out)

@@ -57,14 +57,25 @@ def test_rank_killed_with_sigkill_mid_step_ends_the_job_fast_and_nonzero(tiny_se
     command = launcher_command("deepspeed", 2, TRAIN_SCRIPT, train_args(TINY_RECIPE, over))
     with (tmp_path / "job.log").open("w") as log:
         job = subprocess.Popen(
-            command, cwd=REPO_ROOT, env=launch_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            command,
+            cwd=REPO_ROOT,
+            env=launch_env(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
         try:
             deadline = time.monotonic() + 400
             while not ((out / "metrics.jsonl").exists() and max(train_metrics(out), default=0) >= 2):
-                assert job.poll() is None and time.monotonic() < deadline, (tmp_path / "job.log").read_text()[-3000:]
+                assert job.poll() is None and time.monotonic() < deadline, (tmp_path / "job.log").read_text()[
+                    -3000:
+                ]
                 time.sleep(0.2)
-            workers = [p for p in psutil.Process(job.pid).children(recursive=True) if "train.py" in " ".join(p.cmdline())]
+            workers = [
+                p
+                for p in psutil.Process(job.pid).children(recursive=True)
+                if "train.py" in " ".join(p.cmdline())
+            ]
             rank_1 = next(p for p in workers if p.environ().get("RANK") == "1")
             killed_at = time.monotonic()
             rank_1.kill()  # a node's OOM killer, a hardware fault: no handler runs
@@ -76,7 +87,9 @@ def test_rank_killed_with_sigkill_mid_step_ends_the_job_fast_and_nonzero(tiny_se
                 process.kill()
     assert returncode not in (0, EXIT_PREEMPTED), returncode
     assert took_s < 120, f"the job took {took_s:.0f} s to end after rank 1 was killed"
-    assert not [p for p in workers if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], "a rank outlived the job"
+    assert not [p for p in workers if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], (
+        "a rank outlived the job"
+    )
     print(f"job ended {took_s:.1f} s after SIGKILL of rank 1, exit code {returncode}")
 
 
@@ -110,7 +123,9 @@ def test_sigusr1_during_a_checkpoint_save_checkpoints_exits_85_and_resumes(tiny_
 
 @pytest.mark.timeout(900)
 def test_disk_full_while_saving_then_a_truncated_checkpoint_resume_falls_back_to_an_intact_one(tiny_setup):
-    over = overrides(tiny_setup, "enospc", **{"train.max_steps": 6, "train.save_every": 1, "train.keep_last": 2})
+    over = overrides(
+        tiny_setup, "enospc", **{"train.max_steps": 6, "train.save_every": 1, "train.keep_last": 2}
+    )
     out = Path(str(over["output_dir"]))
     root = checkpoints_root(out)
 
@@ -150,7 +165,9 @@ def test_malformed_lines_with_skip_train_and_are_counted_in_the_run(tiny_setup):
     train = data_file.parent / "with_bad_lines.jsonl"
     train.write_text("\n".join(mixed) + "\n")
     over = overrides(
-        tiny_setup, "bad_lines", **{"data.train_file": train, "data.on_bad_sample": "skip", "tracking.enabled": "true"}
+        tiny_setup,
+        "bad_lines",
+        **{"data.train_file": train, "data.on_bad_sample": "skip", "tracking.enabled": "true"},
     )
     result = run_training(over)
     assert result.returncode == 0, result.stdout[-4000:]

@@ -160,7 +160,12 @@ def check_signed_and_decimal_options_eleven_columns():
     logits, labels = random_batch(2, 12, VOCAB, EDGE_DIGITS, seed=3, dtype=torch.float32)
     labels[0, 2], labels[0, 6], labels[1, 3] = MINUS, POINT, MINUS
     logits[0, 1, MINUS] = 30.0  # the model predicts a minus sign before a run
-    options = {"signed_numbers": True, "minus_sign_id": MINUS, "decimal_numbers": True, "decimal_point_id": POINT}
+    options = {
+        "signed_numbers": True,
+        "minus_sign_id": MINUS,
+        "decimal_numbers": True,
+        "decimal_point_id": POINT,
+    }
     compare_backends(lambda kernel: NTILLoss(EDGE_DIGITS, kernel=kernel, **options), logits, labels)
 
 
@@ -203,7 +208,9 @@ def check_position_stats_outputs_repeated_columns_and_partial_gradients():
     results = {}
     for name in ("torch", "triton"):
         leaf = logits.detach().clone().requires_grad_()
-        ce, columns, row_max, payload_out = position_stats(leaf, targets, column_ids, payload=payload, kernel=name)
+        ce, columns, row_max, payload_out = position_stats(
+            leaf, targets, column_ids, payload=payload, kernel=name
+        )
         grads = [
             torch.autograd.grad(ce, leaf, grad_ce, retain_graph=True)[0],
             torch.autograd.grad(columns, leaf, grad_columns, retain_graph=True)[0],

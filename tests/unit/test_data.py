@@ -154,7 +154,10 @@ def test_image_tokens_equal_the_processors_for_every_image_size(tmp_path, proces
         encoded = encode(processor, conversation, max_seq_len=4096)
         with Image.open(conversation.images[0]) as image:
             out = processor(
-                text=[encoded.text], images=[image.convert("RGB")], return_tensors="pt", add_special_tokens=False
+                text=[encoded.text],
+                images=[image.convert("RGB")],
+                return_tensors="pt",
+                add_special_tokens=False,
             )
         assert torch.equal(torch.from_numpy(encoded.input_ids), out["input_ids"][0])
         if kind == "smolvlm":  # the tiles cut, each with its image_seq_len tokens
@@ -338,7 +341,12 @@ def test_tiled_images_take_as_many_tokens_as_the_processor_gives(tmp_path, folde
     tiles_seen = set()
     for width, height in [(28, 28), (64, 48), (100, 60), (30, 200)]:
         Image.new("RGB", (width, height), (90, 200, 30)).save(tmp_path / f"{width}x{height}.png")
-        row = {"messages": [_user("What time?", [f"{width}x{height}.png"]), {"role": "assistant", "content": "1"}]}
+        row = {
+            "messages": [
+                _user("What time?", [f"{width}x{height}.png"]),
+                {"role": "assistant", "content": "1"},
+            ]
+        }
         path = tmp_path / f"{width}x{height}.jsonl"
         path.write_text(json.dumps(row) + "\n")
         sample = ConversationDataset(path, processor, max_seq_len=512)[0]

@@ -32,7 +32,9 @@ def test_the_layout_deepspeed_builds_passes(rank):
 
 def test_another_layout_is_refused_naming_both():
     info = DistInfo(rank=1, world_size=4, tp_size=2)
-    with pytest.raises(RuntimeError, match=r"tensor-parallel group is \[1, 3\].*expected \[0, 1\] and \[1, 3\]"):
+    with pytest.raises(
+        RuntimeError, match=r"tensor-parallel group is \[1, 3\].*expected \[0, 1\] and \[1, 3\]"
+    ):
         check_parallel_layout(info, tp_group=[1, 3], dp_group=[0, 1])
 
 

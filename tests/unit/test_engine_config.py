@@ -101,7 +101,9 @@ def test_lora_with_autotp_is_an_error():
     autotp = {**ZERO3, "tensor_parallel": {"autotp_size": 2}}
     with pytest.raises(ConfigError, match="LoRA / QLoRA train under ZeRO-2 or ZeRO-3 without AutoTP"):
         merge_deepspeed_config(recipe("lora.enabled=true", "model.init=random"), autotp, data_parallel_size=1)
-    assert merge_deepspeed_config(recipe("lora.enabled=true", "model.init=random"), ZERO3, data_parallel_size=1)
+    assert merge_deepspeed_config(
+        recipe("lora.enabled=true", "model.init=random"), ZERO3, data_parallel_size=1
+    )
 
 
 def test_tensor_parallel_size_and_json_loading(tmp_path):

@@ -53,13 +53,19 @@ def test_adapters_go_on_the_language_model_only(folders, kind):
     if kind in ("qwen2_vl",):
         expected.add("base_model.model.model.visual.merger")
     elif kind == "qwen3_vl":
-        expected |= {"base_model.model.model.visual.merger", "base_model.model.model.visual.deepstack_merger_list.0"}
+        expected |= {
+            "base_model.model.model.visual.merger",
+            "base_model.model.model.visual.deepstack_merger_list.0",
+        }
     elif kind in ("llava", "internvl"):  # (InternVL's vision tower has q/k/v_proj too: never adapted)
         expected.add("base_model.model.model.multi_modal_projector")
     elif kind == "smolvlm":  # (SigLIP's q/k/v_proj in model.vision_model: never adapted)
         expected.add("base_model.model.model.connector")
     elif kind == "gemma3":  # tied embeddings: one trained matrix, the embedding's copy, shared by the head
-        expected = {"base_model.model.model.language_model.embed_tokens", "base_model.model.model.multi_modal_projector"}
+        expected = {
+            "base_model.model.model.language_model.embed_tokens",
+            "base_model.model.model.multi_modal_projector",
+        }
         head = model.base_model.model.lm_head.modules_to_save["default"].weight
         assert head is model.get_input_embeddings().modules_to_save["default"].weight
     assert full == expected
@@ -135,7 +141,9 @@ def test_qlora_loads_the_language_model_in_4bit_and_trains_the_adapters_on_cpu(f
         "lora.merge_on_export=true",
         "model.freeze_projector=false",
     )
-    linear = {n.removeprefix("base_model.model."): m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    linear = {
+        n.removeprefix("base_model.model."): m for n, m in model.named_modules() if isinstance(m, nn.Linear)
+    }
     four_bit = {n for n, m in linear.items() if isinstance(m, bnb.nn.Linear4bit)}
     # The reference: by where the layer sits (model_part), not by the rule under test.
     language = {
@@ -146,7 +154,9 @@ def test_qlora_loads_the_language_model_in_4bit_and_trains_the_adapters_on_cpu(f
     assert {n.removesuffix(".base_layer") for n in four_bit} == language and len(language) == 14
     layer = model.base_model.model.model.language_model.layers[0].self_attn.q_proj
     assert layer.base_layer.weight.quant_state.quant_type == "nf4"
-    restored = bnb.functional.dequantize_4bit(layer.base_layer.weight.data, layer.base_layer.weight.quant_state)
+    restored = bnb.functional.dequantize_4bit(
+        layer.base_layer.weight.data, layer.base_layer.weight.quant_state
+    )
     reference = original.model.language_model.layers[0].self_attn.q_proj.weight
     error = (restored.float() - reference.float()).abs()
     assert error.max() < 0.15 * reference.abs().max() and error.mean() < 0.03 * reference.abs().max()
@@ -156,7 +166,8 @@ def test_qlora_loads_the_language_model_in_4bit_and_trains_the_adapters_on_cpu(f
     out = model(input_ids=ids, labels=ids)
     out.loss.backward()
     trained = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
-    assert any("merger.modules_to_save" in n for n in trained)  # (no image here: the projector gets no gradient)
+    # (no image here: the projector gets no gradient)
+    assert any("merger.modules_to_save" in n for n in trained)
     grads = {n: g for n, g in trained.items() if "visual" not in n}
     assert all(g is not None and torch.isfinite(g).all() for g in grads.values())
     assert any("lora_B" in n and g.abs().sum() > 0 for n, g in grads.items())
@@ -186,7 +197,7 @@ def test_qlora_loads_the_language_model_in_4bit_and_trains_the_adapters_on_cpu(f
     # Exactly the dequantized weight plus the adapter, layer by layer.
     q_proj = model.base_model.model.model.language_model.layers[0].self_attn.q_proj
     want = bnb.functional.dequantize_4bit(q_proj.base_layer.weight.data, q_proj.base_layer.weight.quant_state)
-    want = want + 2.0 * q_proj.lora_B["default"].weight @ q_proj.lora_A["default"].weight  # alpha / r = 32 / 16
+    want = want + 2.0 * q_proj.lora_B["default"].weight @ q_proj.lora_A["default"].weight  # alpha/r = 2
     torch.testing.assert_close(merged.model.language_model.layers[0].self_attn.q_proj.weight, want)
 
 
@@ -205,7 +216,9 @@ def test_qlora_quantizes_exactly_the_language_models_linear_layers(folders, kind
         model = (AutoModelForImageTextToText if has_vision else AutoModelForCausalLM).from_config(config)
     names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     expected = {
-        n for n in names if not n.endswith("lm_head") and (not has_vision or model_part(f"{n}.weight") == "language_model")
+        n
+        for n in names
+        if not n.endswith("lm_head") and (not has_vision or model_part(f"{n}.weight") == "language_model")
     }
     assert {n for n in names if is_quantized_linear(n, cfg.lora)} == expected
     assert expected and (not has_vision or len(expected) < len(names) - 1)  # some vision layers stay 16-bit

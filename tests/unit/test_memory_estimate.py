@@ -29,7 +29,10 @@ def _cfg(model, *overrides):
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny_mem")
-    return {kind: build_tiny_model_folder(kind, root / kind) for kind in ("qwen2_vl", "gemma3", "internvl", "smolvlm")}
+    return {
+        kind: build_tiny_model_folder(kind, root / kind)
+        for kind in ("qwen2_vl", "gemma3", "internvl", "smolvlm")
+    }
 
 
 @pytest.mark.parametrize("kind", ["qwen2_vl", "gemma3", "internvl", "smolvlm"])
@@ -66,15 +69,34 @@ def test_shipped_dimensions_give_the_published_sizes(name):
 @pytest.mark.parametrize(
     ("ds_json", "gpus"),
     [
-        ({"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 0, "stage3_max_live_parameters": 0}}, 4),
-        ({"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 0, "stage3_max_live_parameters": 0}}, 16),
+        (
+            {
+                "zero_optimization": {
+                    "stage": 3,
+                    "stage3_prefetch_bucket_size": 0,
+                    "stage3_max_live_parameters": 0,
+                }
+            },
+            4,
+        ),
+        (
+            {
+                "zero_optimization": {
+                    "stage": 3,
+                    "stage3_prefetch_bucket_size": 0,
+                    "stage3_max_live_parameters": 0,
+                }
+            },
+            16,
+        ),
         ({"zero_optimization": {"stage": 2}}, 8),
         ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, 8),
         (
             {
                 "zero_optimization": {
                     "stage": 3,
-                    "stage3_prefetch_bucket_size": 0, "stage3_max_live_parameters": 0,
+                    "stage3_prefetch_bucket_size": 0,
+                    "stage3_max_live_parameters": 0,
                     "offload_optimizer": {"device": "cpu"},
                     "offload_param": {"device": "cpu"},
                 }
@@ -82,7 +104,14 @@ def test_shipped_dimensions_give_the_published_sizes(name):
             8,
         ),
         (
-            {"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 0, "stage3_max_live_parameters": 0, "offload_optimizer": {"device": "cpu"}}},
+            {
+                "zero_optimization": {
+                    "stage": 3,
+                    "stage3_prefetch_bucket_size": 0,
+                    "stage3_max_live_parameters": 0,
+                    "offload_optimizer": {"device": "cpu"},
+                }
+            },
             8,
         ),
     ],
@@ -99,10 +128,16 @@ def test_full_fine_tuning_model_states_equal_deepspeeds_estimators(ds_json, gpus
     offload_opt, offload_par = "offload_optimizer" in zero, "offload_param" in zero
     if zero["stage"] == 3:
         _, gpu, _ = estimate_zero3_model_states_mem_needs(
-            c.total, c.largest_module, num_gpus_per_node=gpus, cpu_offload=offload_opt, cpu_offload_params=offload_par
+            c.total,
+            c.largest_module,
+            num_gpus_per_node=gpus,
+            cpu_offload=offload_opt,
+            cpu_offload_params=offload_par,
         )
     else:
-        _, gpu = estimate_zero2_model_states_mem_needs(c.total, num_gpus_per_node=gpus, cpu_offload=offload_opt)
+        _, gpu = estimate_zero2_model_states_mem_needs(
+            c.total, num_gpus_per_node=gpus, cpu_offload=offload_opt
+        )
     assert result.model_states() == pytest.approx(gpu, rel=1e-9, abs=2)
 
 
@@ -110,7 +145,9 @@ def test_lora_and_qlora_shrink_what_they_should():
     name = "Qwen/Qwen3-VL-8B-Instruct"
     ds = {"zero_optimization": {"stage": 3}}
     full = estimate(_cfg(name, "model.freeze_vision_tower=true"), ds, gpus=2, gpu_memory_gb=48)
-    lora = estimate(_cfg(name, "model.freeze_vision_tower=true", "lora.enabled=true"), ds, gpus=2, gpu_memory_gb=48)
+    lora = estimate(
+        _cfg(name, "model.freeze_vision_tower=true", "lora.enabled=true"), ds, gpus=2, gpu_memory_gb=48
+    )
     qlora = estimate(
         _cfg(name, "model.freeze_vision_tower=true", "lora.enabled=true", "lora.quantize=nf4"),
         ds,
@@ -128,7 +165,9 @@ def test_lora_and_qlora_shrink_what_they_should():
     text = hf_config_for(name).get_text_config()
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     attention = 2 * text.hidden_size * head_dim * (text.num_attention_heads + text.num_key_value_heads)
-    assert qlora.counts.quantized == text.num_hidden_layers * (attention + 3 * text.hidden_size * text.intermediate_size)
+    assert qlora.counts.quantized == text.num_hidden_layers * (
+        attention + 3 * text.hidden_size * text.intermediate_size
+    )
     assert qlora.weights < 0.5 * lora.weights
     assert qlora.total < lora.total < full.total
 
@@ -159,7 +198,9 @@ def test_activation_formula_matches_what_a_real_model_saves(checkpointing):
             num_attention_heads=6, num_key_value_heads=3, tie_word_embeddings=False,
         )  # fmt: skip
         torch.manual_seed(0)
-        model = Qwen2ForCausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.bfloat16).train()
+        model = Qwen2ForCausalLM._from_config(
+            config, attn_implementation="sdpa", dtype=torch.bfloat16
+        ).train()
         if checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         return _saved_bytes_per_token(model, 128, 300), config

@@ -11,7 +11,10 @@ from ntil_ds.model.tiny import build_tiny_model_folder
 @pytest.fixture(scope="module")
 def tiny_folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny_models")
-    return {kind: build_tiny_model_folder(kind, root / kind) for kind in ("qwen2_vl", "llava", "qwen2", "qwen3_vl", "gemma3", "internvl", "smolvlm")}
+    return {
+        kind: build_tiny_model_folder(kind, root / kind)
+        for kind in ("qwen2_vl", "llava", "qwen2", "qwen3_vl", "gemma3", "internvl", "smolvlm")
+    }
 
 
 def model_cfg(folder, *overrides):

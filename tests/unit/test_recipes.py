@@ -166,7 +166,8 @@ def test_deepspeed_json_is_tuning_only_and_explicit(path: Path):
 
     zero = ds["zero_optimization"]
     assert zero["stage"] in (2, 3)
-    assert zero["overlap_comm"] is False  # NaN grad-norm reports with overlap_comm on ZeRO-3 (LLaMA-Factory, ms-swift issues)
+    # NaN grad-norm reports with overlap_comm on ZeRO-3 (LLaMA-Factory, ms-swift issues)
+    assert zero["overlap_comm"] is False
     assert isinstance(zero["reduce_bucket_size"], int) and zero["reduce_bucket_size"] > 0
     if zero["stage"] == 3:
         for key in ("stage3_prefetch_bucket_size", "stage3_param_persistence_threshold"):
