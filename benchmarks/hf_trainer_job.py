@@ -4,7 +4,7 @@
         --config configs/train/tiny_qwen2vl_clock.yaml [key=value ...]
 
 Same model (ntil_ds.model.load_model: dtype, attention, freezing, ZeRO-3 init), same data and
-collation (ntil_ds.data), same merged DeepSpeed config (ntil_ds.engine.merge_deepspeed_config, which
+collation (ntil_ds.data), same merged DeepSpeed config (ntil_ds.ds_config.merge_deepspeed_config, which
 the Trainer's DeepSpeed integration checks against its own arguments), same optimizer settings and
 cosine schedule; the loss is the model's own cross-entropy (``labels=`` passed to the forward).
 Rank 0 writes one record per optimizer step to ``--out``: the time from the Trainer's
@@ -39,7 +39,8 @@ def main() -> None:
 
     from ntil_ds.config import gradient_accumulation_steps
     from ntil_ds.data import Collator, ConversationDataset, load_processor
-    from ntil_ds.engine import init_distributed, peak_memory_mib, resolve_run
+    from ntil_ds.ds_config import resolve_run
+    from ntil_ds.engine import init_distributed, peak_memory_mib
     from ntil_ds.model import load_model
 
     cfg, ds_config, dist_info = resolve_run(args.config, args.overrides)

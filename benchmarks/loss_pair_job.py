@@ -31,7 +31,8 @@ def main() -> None:
     args = parser.parse_args()
 
     from ntil_ds.data import tokenizer_of
-    from ntil_ds.engine import init_distributed, resolve_run
+    from ntil_ds.ds_config import resolve_run
+    from ntil_ds.engine import init_distributed
     from ntil_ds.trainer import Trainer, build_loss
 
     cfg, ds_config, dist_info = resolve_run(args.config, args.overrides)

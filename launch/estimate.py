@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from ntil_ds.config import ConfigError, load_config
-from ntil_ds.engine import load_deepspeed_json
+from ntil_ds.ds_config import load_deepspeed_json
 from ntil_ds.model.memory import GIB, estimate, estimate_as_dict
 
 # The line each GPU recipe carries in its header; --update-recipes rewrites its numbers.

@@ -18,7 +18,7 @@ import sys
 
 from ntil_ds.config import ConfigError
 from ntil_ds.dist import DistInfo, exit_process
-from ntil_ds.engine import init_distributed, resolve_run
+from ntil_ds.ds_config import resolve_run
 from ntil_ds.preemption import EXIT_PREEMPTED, PreemptionWatcher
 
 EXIT_CONFIG_ERROR = 2
@@ -54,12 +54,14 @@ def main(argv: list[str] | None = None) -> int:
         report(dist_info, "config error", e)
         return EXIT_CONFIG_ERROR
 
-    init_distributed()
+    # After the checks: a bad recipe fails in a second, before deepspeed, transformers and mlflow import.
     from ntil_ds.checkpoint import CheckpointWriteError
-    from ntil_ds.data import DataError  # after the checks: a bad recipe fails fast
+    from ntil_ds.data import DataError
+    from ntil_ds.engine import init_distributed
     from ntil_ds.tracking import default_tags
     from ntil_ds.trainer import NonFiniteLossError, Trainer
 
+    init_distributed()
     watcher = PreemptionWatcher(flag_file=os.environ.get("NTIL_PREEMPT_FLAG"))
     try:
         trainer = Trainer(

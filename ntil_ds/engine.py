@@ -1,16 +1,11 @@
-"""DeepSpeed, in one place: the recipe merged into the DeepSpeed JSON, init, backward/step, checkpoints.
+"""DeepSpeed, in one place: init, backward/step, checkpoints, the consolidated weights.
 
-This is the only module that imports ``deepspeed``. The recipe (``configs/train/*.yaml``) owns batch
-sizes, accumulation, clipping, precision, optimizer and schedule; the DeepSpeed JSON
-(``configs/deepspeed/*.json``) owns ZeRO stage, offload, buckets and tensor parallelism. A JSON that
-sets one of the recipe's keys to something else is an error naming that key, raised before any model
-is built.
+This is the only module that imports ``deepspeed``. What DeepSpeed is told (the recipe merged into the
+DeepSpeed JSON) is decided before, without it, in :mod:`ntil_ds.ds_config`.
 """
 
 from __future__ import annotations
 
-import copy
-import json
 import math
 import os
 import resource
@@ -24,127 +19,8 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.utils import groups as deepspeed_groups
 
-from ntil_ds.config import Config, ConfigError, gradient_accumulation_steps, load_config
+from ntil_ds.config import Config, ConfigError
 from ntil_ds.dist import DistInfo, check_parallel_layout, launcher_env_defaults
-
-# Keys whose value the recipe decides; the JSON may repeat them only with the same value (or "auto").
-_RECIPE_OWNED_BLOCKS = ("optimizer", "scheduler")
-_PRECISION_BLOCKS = {"bfloat16": "bf16", "float16": "fp16"}
-
-
-# ----------------------------------------------------------------------------------------------------
-# Config merge (pure: unit-tested without processes)
-
-
-def load_deepspeed_json(path: str | Path) -> dict[str, Any]:
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"deepspeed={path} does not exist (give a JSON file from configs/deepspeed/)")
-    try:
-        loaded = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"deepspeed={path} is not valid JSON: {e}") from e
-    if not isinstance(loaded, dict):
-        raise ConfigError(f"deepspeed={path} must hold a JSON object")
-    return loaded
-
-
-def tensor_parallel_size(ds_json: dict[str, Any]) -> int:
-    """``tensor_parallel.autotp_size`` of a DeepSpeed JSON (1 when absent)."""
-    block = ds_json.get("tensor_parallel") or {}
-    size = block.get("autotp_size", 1)
-    if not isinstance(size, int) or size < 1:
-        raise ConfigError(f"tensor_parallel.autotp_size={size!r} in the DeepSpeed JSON must be an int >= 1")
-    return size
-
-
-def merge_deepspeed_config(cfg: Config, ds_json: dict[str, Any], data_parallel_size: int) -> dict[str, Any]:
-    """The DeepSpeed config this run uses: the JSON's tuning plus everything the recipe decides.
-
-    Raises :class:`ConfigError` naming the key when the JSON contradicts the recipe, or when the global
-    batch does not divide into micro-batches over the data-parallel ranks.
-    """
-    merged = copy.deepcopy(ds_json)
-    gas = gradient_accumulation_steps(cfg, data_parallel_size)
-    source = f"the DeepSpeed JSON ({cfg.deepspeed})"
-
-    recipe_values: dict[str, tuple[Any, str]] = {
-        "train_micro_batch_size_per_gpu": (cfg.train.micro_batch_size, "train.micro_batch_size"),
-        "gradient_accumulation_steps": (gas, "train.global_batch_size / (micro_batch_size x dp ranks)"),
-        # DeepSpeed 0.19.8 counts every rank in train_batch_size, tensor-parallel ones included
-        # (its batch check uses the full world size when AutoTP is on): global batch x autotp_size.
-        "train_batch_size": (
-            cfg.train.global_batch_size * tensor_parallel_size(ds_json),
-            "train.global_batch_size x tensor_parallel.autotp_size",
-        ),
-        "gradient_clipping": (cfg.optim.grad_clip, "optim.grad_clip"),
-    }
-    for key, (value, recipe_key) in recipe_values.items():
-        if key in merged and merged[key] != "auto" and merged[key] != value:
-            raise ConfigError(
-                f"{key}={merged[key]!r} in {source} contradicts the recipe's {recipe_key} (= {value!r}); "
-                f"remove {key} from the JSON: the recipe sets it"
-            )
-        merged[key] = value
-
-    if cfg.lora.enabled and tensor_parallel_size(ds_json) > 1:
-        # AutoTP shards nn.Linear layers; peft's adapter layers (and QLoRA's 4-bit ones) are not among
-        # the layers it knows, and no test here runs the combination.
-        raise ConfigError(
-            f"lora.enabled=true with tensor_parallel.autotp_size={tensor_parallel_size(ds_json)} in {source}: "
-            "LoRA / QLoRA train under ZeRO-2 or ZeRO-3 without AutoTP; use a DeepSpeed JSON without the "
-            "tensor_parallel block (configs/deepspeed/zero3.json)"
-        )
-
-    for block in _RECIPE_OWNED_BLOCKS:
-        if block in merged:
-            raise ConfigError(
-                f"{block!r} block in {source}: the recipe's optim section sets the {block}; "
-                f"remove {block!r} from the JSON and set optim.* in the recipe instead"
-            )
-
-    wanted = _PRECISION_BLOCKS.get(cfg.model.dtype)  # None for float32
-    for dtype_name, block in _PRECISION_BLOCKS.items():
-        section = merged.get(block)
-        enabled = isinstance(section, dict) and section.get("enabled") not in (False, "auto")
-        if enabled and block != wanted:
-            raise ConfigError(
-                f"{block}.enabled=true in {source} contradicts the recipe's model.dtype={cfg.model.dtype!r}; "
-                f"remove the {block!r} block or set model.dtype={dtype_name}"
-            )
-        if block == wanted:
-            merged[block] = {**(section if isinstance(section, dict) else {}), "enabled": True}
-        elif isinstance(section, dict):
-            merged[block] = {**section, "enabled": False}
-
-    optim = cfg.optim
-    adam_params = {
-        "lr": optim.lr,
-        "betas": [optim.beta1, optim.beta2],
-        "eps": optim.eps,
-        "weight_decay": optim.weight_decay,
-    }
-    if optim.name == "adamw":
-        merged["optimizer"] = {"type": "AdamW", "params": adam_params}
-    elif optim.name == "adamw_torch":
-        merged["optimizer"] = {"type": "AdamW", "params": {**adam_params, "torch_adam": True}}
-    else:  # adamw_8bit: a client optimizer (bitsandbytes) built in TrainingEngine; DeepSpeed must allow it
-        merged["zero_allow_untested_optimizer"] = True
-    # The schedule is a client LambdaLR (see lr_ratio): DeepSpeed's WarmupCosineLR cannot do zero
-    # warmup steps and starts its warmup at lr 0.
-    return merged
-
-
-def resolve_run(recipe: str | Path, overrides: list[str]) -> tuple[Config, dict[str, Any], DistInfo]:
-    """Recipe + overrides -> (config, merged DeepSpeed config, this process's place in the job).
-
-    Every check that needs no process group happens here, so entry points call it first and a bad
-    recipe fails in a second with a ConfigError, before any rank waits on another.
-    """
-    cfg = load_config(recipe, overrides)
-    ds_json = load_deepspeed_json(cfg.deepspeed)
-    dist_info = DistInfo.from_env(tp_size=tensor_parallel_size(ds_json))
-    return cfg, merge_deepspeed_config(cfg, ds_json, dist_info.dp_size), dist_info
 
 
 def lr_ratio(step: int, *, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
@@ -157,13 +33,6 @@ def lr_ratio(step: int, *, warmup_steps: int, max_steps: int, min_lr_ratio: floa
         return (step + 1) / warmup_steps
     progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-def write_deepspeed_config(ds_config: dict[str, Any], path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(ds_config, indent=2, sort_keys=True) + "\n")
-    return path
 
 
 # ----------------------------------------------------------------------------------------------------

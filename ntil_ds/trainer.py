@@ -50,13 +50,8 @@ from ntil_ds.data import (
 from ntil_ds.data.packing import PACKING_KEYS, PackedCollator
 from ntil_ds.data.steps import StepBatches, step_loader
 from ntil_ds.dist import DistInfo
-from ntil_ds.engine import (
-    TrainingEngine,
-    device_for,
-    leave_process_group,
-    peak_memory_mib,
-    write_deepspeed_config,
-)
+from ntil_ds.ds_config import write_deepspeed_config
+from ntil_ds.engine import TrainingEngine, device_for, leave_process_group, peak_memory_mib
 from ntil_ds.loss import (
     NTILLoss,
     NTILOutput,
@@ -154,7 +149,7 @@ class Trainer:
     """Builds every part of a run from the config, then :meth:`fit` trains it.
 
     Call on every rank, after ``engine.init_distributed()``. ``ds_config`` is the merged DeepSpeed
-    config (``engine.merge_deepspeed_config``), ``dist_info`` this process's place in the job.
+    config (``ds_config.merge_deepspeed_config``), ``dist_info`` this process's place in the job.
     """
 
     def __init__(

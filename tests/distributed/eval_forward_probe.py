@@ -10,7 +10,8 @@ import json
 import math
 
 from launch.train import parse_args
-from ntil_ds.engine import init_distributed, resolve_run
+from ntil_ds.ds_config import resolve_run
+from ntil_ds.engine import init_distributed
 from ntil_ds.trainer import Trainer
 
 

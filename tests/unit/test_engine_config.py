@@ -7,12 +7,8 @@ import math
 import pytest
 
 from ntil_ds.config import ConfigError, load_config
-from ntil_ds.engine import (
-    load_deepspeed_json,
-    lr_ratio,
-    merge_deepspeed_config,
-    tensor_parallel_size,
-)
+from ntil_ds.ds_config import load_deepspeed_json, merge_deepspeed_config, tensor_parallel_size
+from ntil_ds.engine import lr_ratio
 
 ZERO3 = {"zero_optimization": {"stage": 3, "overlap_comm": False}, "steps_per_print": 1000}
 

@@ -1,7 +1,7 @@
 """Every shipped recipe (configs/train/*.yaml) and DeepSpeed JSON (configs/deepspeed/*.json) is valid.
 
 A recipe passes when: the strict config loader accepts it; the DeepSpeed JSON it names exists, merges
-with it (engine.merge_deepspeed_config) for the GPU count its header states, and the merged dict is
+with it (ds_config.merge_deepspeed_config) for the GPU count its header states, and the merged dict is
 accepted by DeepSpeed's own config parser (which rejects misspelled keys); and its model section
 (freeze flags, kind) applies to a tiny model of the same family, built offline.
 """
@@ -35,7 +35,7 @@ TINY_STAND_IN = {
     "HuggingFaceTB/SmolVLM2-2.2B-Instruct": "smolvlm",
 }
 
-# Keys the recipe owns (engine.merge_deepspeed_config sets them); a JSON must not carry them.
+# Keys the recipe owns (ds_config.merge_deepspeed_config sets them); a JSON must not carry them.
 RECIPE_OWNED_KEYS = {
     "train_batch_size",
     "train_micro_batch_size_per_gpu",
@@ -77,7 +77,7 @@ def test_recipe_loads_and_merges_with_its_deepspeed_json(recipe: Path, monkeypat
     from deepspeed.runtime.config import DeepSpeedConfig
 
     from ntil_ds.config import LossConfig, load_config
-    from ntil_ds.engine import load_deepspeed_json, merge_deepspeed_config, tensor_parallel_size
+    from ntil_ds.ds_config import load_deepspeed_json, merge_deepspeed_config, tensor_parallel_size
 
     monkeypatch.chdir(REPO_ROOT)  # recipes name repo-relative paths
     cfg = load_config(recipe)
