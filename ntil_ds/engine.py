@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 import os
 import resource
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,7 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.utils import groups as deepspeed_groups
 
 from ntil_ds.config import Config, ConfigError
-from ntil_ds.dist import DistInfo, check_parallel_layout, launcher_env_defaults
+from ntil_ds.dist import DistInfo, any_rank, check_parallel_layout, launcher_env_defaults
 
 
 def lr_ratio(step: int, *, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
@@ -48,17 +47,6 @@ def init_distributed() -> None:
     # Without torchrun/deepspeed (python launch/train.py) DeepSpeed would try MPI discovery (mpi4py).
     os.environ.update(launcher_env_defaults(os.environ))
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
-
-
-def leave_process_group() -> None:
-    """COLLECTIVE, at the end of a job: every rank waits for the others, then leaves the process group.
-
-    After it no collective of one rank can still be in flight while another is gone, and ranks finish on
-    their own (rank 0 delivering tracking records) with no group held open.
-    """
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
 
 
 def device_for(local_rank: int) -> torch.device:
@@ -164,10 +152,7 @@ class TrainingEngine:
                 for p in self.engine.module.parameters()
                 if p.grad is not None
             )
-        flag = torch.tensor([float(local)], device=self.engine.device)
-        if dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return flag.item() == 0.0
+        return not any_rank(local)
 
     def train(self) -> None:
         self.engine.train()
@@ -193,10 +178,6 @@ class TrainingEngine:
     def data_parallel_size(self) -> int:
         """The ranks ZeRO averages gradients over (world size / tensor-parallel size)."""
         return self.engine.dp_world_size
-
-    @property
-    def global_steps(self) -> int:
-        return self.engine.global_steps
 
     def lr(self) -> float:
         return float(self.engine.get_lr()[0])
@@ -245,10 +226,6 @@ class TrainingEngine:
         if self.engine.zero_optimization_partition_weights():  # ZeRO-3: gather every rank's slice
             return self.engine._zero3_consolidated_16bit_state_dict()
         return self.engine.module.state_dict()  # ZeRO 0-2 keep whole weights on every rank
-
-    def gathered(self, params: Iterable[torch.nn.Parameter]) -> Any:
-        """Context manager: the full values of ZeRO-3 partitioned params on every rank (read-only)."""
-        return deepspeed.zero.GatheredParameters(list(params), modifier_rank=None)
 
 
 def _load_weights_but_frozen_may_be_missing(src: dict[str, torch.Tensor], dst: torch.nn.Module) -> None:
