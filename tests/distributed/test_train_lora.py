@@ -126,7 +126,7 @@ def test_lora_export_adapter_and_merged_model_reload(setup, uninterrupted):
     processor = load_processor(out / "export")
     dataset = ConversationDataset(data_file, processor, max_seq_len=128)
     batch = Collator(processor)([dataset[i] for i in (0, 1, 4, 8)])
-    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    inputs = {k: v for k, v in batch.items() if k != "targets"}
     with torch.no_grad():
         expected = reference(**inputs).logits
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from ntil_ds.config import load_config
 from tests.distributed.training_runs import (
     kill_after_checkpoint,
     run_training,
@@ -93,6 +94,10 @@ def test_ntil_loss_falls_on_mixed_text_and_image_batches(qwen_setup, uninterrupt
     ce_step = train_metrics(ce_out)[1]
     assert ce_step["ce"] == pytest.approx(metrics[1]["ce"], rel=1e-6)
     assert ce_step["grad_norm"] != pytest.approx(metrics[1]["grad_norm"], rel=1e-3), (ce_step, metrics[1])
+    # ... and not merely a scaled CE gradient: a loss of (1 + lambda) x CE without NTIL's own gradient
+    # would give (1 + lambda) x CE's norm
+    scaled = (1 + load_config(out / "config.yaml").loss.ntil_lambda) * ce_step["grad_norm"]
+    assert scaled != pytest.approx(metrics[1]["grad_norm"], rel=1e-3), (ce_step, metrics[1])
     assert sorted(metrics) == list(range(1, STEPS + 1))
     for record in metrics.values():
         for key in STEP_KEYS:
@@ -170,7 +175,7 @@ def test_export_loads_without_deepspeed_and_matches_the_trained_weights(qwen_set
     processor = load_processor(out / "export")  # the exported processor works
     dataset = ConversationDataset(data_file, processor, max_seq_len=128)
     batch = Collator(processor)([dataset[i] for i in (0, 1, 4, 8)])  # images and text
-    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    inputs = {k: v for k, v in batch.items() if k != "targets"}
     with torch.no_grad():
         assert torch.equal(exported(**inputs).logits, trained(**inputs).logits)
     for name, value in masters.items():

@@ -73,12 +73,11 @@ def test_packed_equals_unpacked_on_cuda(kind, attn, tmp_path):
         inputs = {
             k: v.cuda().to(dtype) if v.is_floating_point() else v.cuda()
             for k, v in batch.items()
-            if k not in ("labels", *PACKING_KEYS) and not (packed and k == "attention_mask")
+            if k not in ("targets", *PACKING_KEYS) and not (packed and k == "attention_mask")
         }
         logits = model(**inputs, use_cache=False).logits
-        labels = torch.nn.functional.pad(batch["labels"][:, 1:], (0, 1), value=-100).cuda()
         index = batch["unpack_index"].cuda() if packed else None
-        return logits.float(), loss_fn(logits, labels, unpack_index=index)
+        return logits.float(), loss_fn(logits, batch["targets"].cuda(), unpack_index=index)
 
     logits_u, out_u = run(Collator(processor)(samples), packed=False)
     packed = PackedCollator(processor, rope_fn=rope_fn_for(model), row_tokens=row_tokens)(samples)
