@@ -337,6 +337,8 @@ def validate(cfg: Config) -> None:
             f"data.max_seq_len={cfg.data.max_seq_len}: the longest sample would not fit a micro-batch; "
             "raise it (or set it to 0 to turn packing off)"
         )
+    if cfg.loss.name == "ntl" and cfg.data.max_tokens_per_micro_batch:
+        raise ConfigError("loss.name=ntl does not support packing: set data.max_tokens_per_micro_batch=0")
     if cfg.train.eval_every and not cfg.data.eval_file:
         raise ConfigError("train.eval_every > 0 needs data.eval_file (or set train.eval_every=0)")
     if cfg.model.freeze_vision_tower and cfg.model.freeze_projector and cfg.model.freeze_language_model:

@@ -6,6 +6,7 @@ works in a headless job and from any thread.
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from matplotlib.ticker import MaxNLocator
 OBJECTIVE_KEYS = ("loss", "ce", "ntil")
 NTIL_PART_KEYS = ("emd", "rel", "mag")
 
-# Per-position digit accuracy as ntil_ds.metrics.score names it (units = position 0), under any prefix.
+# Per-position digit accuracy as ntil_ds.scoring.score names it (units = position 0), under any prefix.
 DIGIT_POSITION_KEY = re.compile(r"^(?P<prefix>.*?)digit_acc_pos(?P<position>\d+)$")
 
 History = dict[str, dict[int, float]]  # metric key -> {step: value}
@@ -108,3 +109,21 @@ def plot_run_history(history: History, out_dir: Path) -> list[Path]:
     if series:
         drawn.append(plot_digit_position_error(series, Path(out_dir) / "digit_position_error.png"))
     return [path for path in drawn if path is not None]
+
+
+def plot_comparison(
+    summary: dict, metrics: tuple[str, ...], path: Path, title: str, higher_is_better: set[str]
+) -> Path:
+    """One panel per metric: the mean per loss as a bar, the std over seeds as an error bar."""
+    labels = list(summary)
+    fig = Figure(figsize=(3.2 * len(metrics) + 1, 3.6), layout="constrained")
+    for ax, metric in zip(fig.subplots(1, len(metrics), squeeze=False)[0], metrics, strict=True):
+        means = [summary[label].get(metric, {}).get("mean", math.nan) for label in labels]
+        stds = [summary[label].get(metric, {}).get("std", 0.0) for label in labels]
+        ax.bar(range(len(labels)), means, yerr=stds, capsize=4, color=[f"C{i}" for i in range(len(labels))])
+        ax.set_xticks(range(len(labels)), labels, rotation=20, ha="right")
+        better = "higher" if metric in higher_is_better else "lower"
+        ax.set_title(f"{metric} ({better} is better)", fontsize=9)
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(title, fontsize=10)
+    return _save(fig, path)
