@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -29,10 +28,9 @@ from pathlib import Path
 
 from ntil_ds.config import load_config
 from ntil_ds.data.synthetic import write_dataset
+from ntil_ds.jobs import REPO_ROOT, TRAIN_SCRIPT, job_env, launcher_command, train_args
 from ntil_ds.model.tiny import build_tiny_model_folder
 from ntil_ds.tracking import resolve_tracking_uri
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass(frozen=True)
@@ -84,28 +82,10 @@ DEMOS = {
 }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def job_env() -> dict[str, str]:
-    """CPU DeepSpeed, one thread per rank on a small machine, a kept cache for JIT-compiled ops."""
-    env = dict(os.environ)
-    env.setdefault("DS_ACCELERATOR", "cpu")
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO_ROOT / ".torch_extensions"))
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
-    return env
-
-
 def run(command: list[str], what: str) -> None:
     print(f"\n=== {what}\n$ {' '.join(command)}", flush=True)
     started = time.perf_counter()
-    result = subprocess.run(command, cwd=REPO_ROOT, env=job_env())
+    result = subprocess.run(command, cwd=REPO_ROOT, env=job_env())  # the output goes to the console
     if result.returncode != 0:
         sys.exit(f"quickstart: {what} failed (exit code {result.returncode}); see the output above")
     print(f"=== {what}: done in {time.perf_counter() - started:.0f} s", flush=True)
@@ -142,19 +122,8 @@ def main() -> None:
         *args.overrides,
     ]
     cfg = load_config(demo.recipe, overrides)  # fail here, not in 2 processes, on a bad override
-    deepspeed = str(Path(sys.executable).with_name("deepspeed"))
     run(
-        [
-            deepspeed,
-            "--num_gpus",
-            "2",
-            "--master_port",
-            str(free_port()),
-            "launch/train.py",
-            "--config",
-            str(demo.recipe),
-            *overrides,
-        ],
+        launcher_command("deepspeed", 2, TRAIN_SCRIPT, train_args(demo.recipe, overrides)),
         "train (deepspeed launcher, 2 CPU processes, ZeRO-3)",
     )
     export_dir = run_dir / "export"

@@ -72,7 +72,8 @@ def _row_tiles(num_rows: int, row_width: int, device: torch.device) -> list[tupl
 
 
 @functools.cache
-def _import_kernel() -> ModuleType | None:
+def kernel_module() -> ModuleType | None:
+    """The Triton kernels (ntil_ds.loss.vocab_kernel), or None where triton does not import."""
     try:
         from ntil_ds.loss import vocab_kernel
     except ImportError:  # no Triton (it is an extra): the torch path
@@ -95,7 +96,7 @@ def kernel_wanted(logits: torch.Tensor, kernel: str = "auto") -> ModuleType | No
     # fp64 (gradcheck) always takes the torch path: the kernels compute in fp32.
     if kernel == "torch" or logits.dtype not in _KERNEL_DTYPES or (kernel == "auto" and not logits.is_cuda):
         return None
-    module = _import_kernel()
+    module = kernel_module()
     if module is None and kernel == "triton":
         raise RuntimeError(
             "kernel='triton' but triton does not import: pip install 'ntil-ds[kernels]' "

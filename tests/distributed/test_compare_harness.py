@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from tests.conftest import REPO_ROOT
+from tests.distributed.training_runs import launch_env, train_metrics
 
 # ~1-2 min on 2 free cores; the limit is for a machine shared with other jobs (3 launcher starts)
 pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.timeout(1800)]
@@ -44,7 +45,9 @@ def comparison(tmp_path_factory):
         "optim.warmup_steps=0",
         "train.log_every=1",
     ]
-    result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=1700)
+    result = subprocess.run(
+        command, cwd=REPO_ROOT, env=launch_env(), capture_output=True, text=True, timeout=1700
+    )
     return out, result
 
 
@@ -67,8 +70,16 @@ def test_results_json_holds_every_run_and_the_summary(comparison):
     assert "global_batch_size=3" in failed["error"]  # the job's own message, from its log
     assert report["failed"] == [f"{FAILING} seed 0"]
     assert FAILING not in report["summary"] or not report["summary"][FAILING]
-    # the ntl run really trained with ntloss: its resolved config says so
+    # the ntl run really trained with ntloss: its resolved config says so, and its objective is CE plus
+    # a number term (the ce run's objective is its CE exactly)
     assert "name: ntl" in (out / "runs" / "ntl-seed0" / "config.yaml").read_text()
+    for label, differs in (("ce", False), ("ntl", True)):
+        last = train_metrics(out / "runs" / f"{label}-seed0")[2]
+        assert (last["loss"] > last["ce"] * (1 + 1e-6)) is differs, (label, last)
+    # each run was scored on its own export
+    for label in ("ce", "ntl"):
+        scored = json.loads((out / "runs" / f"{label}-seed0" / "eval_test.json").read_text())
+        assert scored["model"] == str(out / "runs" / f"{label}-seed0" / "export")
 
 
 def test_table_and_plot(comparison):

@@ -1,22 +1,22 @@
-"""launch/compare.py's aggregation on hand-computed cases: mean +- sample std over seeds, the change
-against the baseline, failed runs kept in the table, loss specs with their own overrides."""
+"""The comparison's aggregation (ntil_ds.comparison, behind launch/compare.py) on hand-computed cases:
+mean +- sample std over seeds, the change against the baseline, failed runs kept in the table, loss specs
+with their own overrides."""
 
-import importlib.util
 import math
-import sys
+from types import SimpleNamespace
 
 import pytest
-
-from tests.conftest import REPO_ROOT
 
 
 @pytest.fixture(scope="module")
 def compare():
-    spec = importlib.util.spec_from_file_location("compare_entry", REPO_ROOT / "launch" / "compare.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    """The comparison's pure parts, under one name as the tests below use them."""
+    from ntil_ds.comparison import results
+    from ntil_ds.tracking.mlflow_comparison import metric_key
+
+    return SimpleNamespace(
+        **{n: getattr(results, n) for n in dir(results) if not n.startswith("_")}, metric_key=metric_key
+    )
 
 
 def _run(compare, label, seed, status="ok", **metrics):
