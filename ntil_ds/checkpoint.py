@@ -63,6 +63,7 @@ RESUMABLE_CHANGES = (
     "loss.kernel",  # the same loss through the Triton kernel or the torch tiles
     "loss.number_stage",  # the same number stage, compiled or eager
     "tracking.",
+    "eval.",  # what is evaluated and how often; not what a step computes
 )
 
 

@@ -145,6 +145,19 @@ class TrainConfig:
 
 
 @dataclass
+class EvalConfig:
+    """Numeric metrics while training (ntil_ds/evaluation/numeric.py): greedy answers to the first
+    ``generate_samples`` lines of data.eval_file, scored with the task's metrics (ntil_ds/scoring.py) and
+    logged as eval/<metric>. Teacher-forced accuracies keep their own cadence, train.eval_every."""
+
+    generate_every: int = 0  # optimizer steps between evaluations; 0: off. On, the last step is evaluated too
+    generate_samples: int = 64  # the fixed subset: the first lines of data.eval_file
+    max_new_tokens: int = 32
+    batch_size: int = 16  # prompts per generate call on each data-parallel rank
+    task: str = ""  # clock, boxes, chart, arithmetic ...; empty: the eval lines' "task" key
+
+
+@dataclass
 class TrackingConfig:
     enabled: bool = True
     # Empty: MLFLOW_TRACKING_URI if set, else sqlite:///<output_dir>/mlflow.db (embedded store).
@@ -174,6 +187,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -341,6 +355,12 @@ def validate(cfg: Config) -> None:
         raise ConfigError("loss.name=ntl does not support packing: set data.max_tokens_per_micro_batch=0")
     if cfg.train.eval_every and not cfg.data.eval_file:
         raise ConfigError("train.eval_every > 0 needs data.eval_file (or set train.eval_every=0)")
+    if cfg.eval.generate_every and not cfg.data.eval_file:
+        raise ConfigError("eval.generate_every > 0 needs data.eval_file (or set eval.generate_every=0)")
+    for key in ("generate_every", "generate_samples", "max_new_tokens", "batch_size"):
+        value = getattr(cfg.eval, key)
+        if value < 0 or (value == 0 and key != "generate_every"):
+            raise ConfigError(f"eval.{key}={value} must be {'>= 0' if key == 'generate_every' else '> 0'}")
     if cfg.model.freeze_vision_tower and cfg.model.freeze_projector and cfg.model.freeze_language_model:
         raise ConfigError("model.freeze_* are all true: nothing would train")
     _validate_lora(cfg)

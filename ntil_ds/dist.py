@@ -152,13 +152,21 @@ def barrier() -> None:
         dist.barrier()
 
 
-def all_gather_objects(obj: Any) -> list[Any]:
-    """COLLECTIVE (hence also a barrier): every rank's picklable ``obj``, in rank order."""
+def all_gather_objects(obj: Any, group: Any = None) -> list[Any]:
+    """COLLECTIVE over ``group`` (default: all ranks; hence also a barrier): every rank's picklable
+    ``obj``, in rank order."""
     if not _grouped():
         return [obj]
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, obj)
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, obj, group=group)
     return gathered
+
+
+def all_gather_tensors(tensor: torch.Tensor, group: Any) -> list[torch.Tensor]:
+    """COLLECTIVE over ``group``: every rank's ``tensor`` (same shape on every rank), in rank order."""
+    pieces = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(pieces, tensor.contiguous(), group=group)
+    return pieces
 
 
 def broadcast_from_main(obj: Any) -> Any:

@@ -47,6 +47,7 @@ from ntil_ds.data.steps import StepBatches, step_loader
 from ntil_ds.dist import DistInfo, all_reduce_host_sums, all_reduce_sums, leave_process_group, read_to_host
 from ntil_ds.ds_config import write_deepspeed_config
 from ntil_ds.engine import TrainingEngine, device_for, peak_memory_mib
+from ntil_ds.evaluation.numeric import NumericEval
 from ntil_ds.evaluation.teacher_forced import TeacherForcedEval
 from ntil_ds.loss import NTILOutput
 from ntil_ds.loss.build import build_loss, check_loss_supports
@@ -139,19 +140,14 @@ class Trainer:
             self.engine, cfg, dist_info, loaded_step=self.state.step if checkpoint is not None else None
         )
         self.tracker = self._start_tracking(resumed=checkpoint is not None, tags=tracking_tags)
-        self.evaluator = (
-            TeacherForcedEval(
-                self.eval_data,
-                self.collator,
-                self.objective,
-                dist_info,
-                micro_batch_size=cfg.train.micro_batch_size,
-                every=cfg.train.eval_every,
-                seed=cfg.train.seed,
-            )
-            if self.eval_data is not None
-            else None
-        )
+        # Evaluation on data.eval_file: teacher-forced accuracies; scores of generated answers when asked
+        self.evaluator = self.numeric_eval = None
+        if self.eval_data is not None:
+            self.evaluator = TeacherForcedEval(cfg, self.eval_data, self.collator, self.objective, dist_info)
+            if cfg.eval.generate_every:
+                self.numeric_eval = NumericEval(
+                    cfg, self.eval_data, self.processor, self.objective, dist_info
+                )
 
     # ------------------------------------------------------------------------------------------------
     # The job
@@ -186,6 +182,8 @@ class Trainer:
                 step_log.train(self.state.step, metrics)
                 if self.evaluator is not None and self.evaluator.due(self.state.step):
                     step_log.eval(self.state.step, self.evaluator.run(self.state.step))
+                if self.numeric_eval is not None and self.numeric_eval.due(self.state.step):
+                    step_log.numeric(self.state.step, self.numeric_eval.run(self.state.step))
                 self.checkpoints.maybe_save(self.state)
             step_log.close()
             self.checkpoints.save_final(self.state)  # at the end, or on preemption: resume continues here

@@ -13,6 +13,9 @@ from pathlib import Path
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from ntil_ds.scoring import HIGHER_IS_BETTER, TASK_METRICS
+from ntil_ds.tracking.step_log import metric_key
+
 # Metric names (last part after "/") drawn in each panel of the loss plot.
 OBJECTIVE_KEYS = ("loss", "ce", "ntil")
 NTIL_PART_KEYS = ("emd", "rel", "mag")
@@ -101,10 +104,36 @@ def digit_position_series(history: History) -> dict[str, dict[int, float]]:
     return {f"{prefix}step {step}": by_step[(prefix, step)] for prefix, step in chosen}
 
 
+def plot_score_curves(history: History, path: Path) -> Path | None:
+    """The scores of generated answers during training (``eval/<score>``, the task's shown scores), one
+    panel each against the step; None when the run logged none."""
+    keys = [
+        f"eval/{metric_key(name)}"
+        for name in dict.fromkeys(n for shown in TASK_METRICS.values() for n in shown)
+    ]
+    keys = [key for key in keys if history.get(key)]
+    if not keys:
+        return None
+    fig = Figure(figsize=(3.6 * len(keys) + 0.5, 3.4), layout="constrained")
+    for ax, key in zip(fig.subplots(1, len(keys), squeeze=False)[0], keys, strict=True):
+        steps = sorted(history[key])
+        ax.plot(steps, [history[key][s] for s in steps], marker="o", label=key)
+        name = key.split("/", 1)[1]
+        higher = name in {metric_key(n) for n in HIGHER_IS_BETTER}
+        ax.set_title(f"{name} ({'higher' if higher else 'lower'} is better)", fontsize=9)
+        ax.set_xlabel("optimizer step")
+        _finish_axes(ax)
+    fig.suptitle("generated answers during training", fontsize=10)
+    return _save(fig, path)
+
+
 def plot_run_history(history: History, out_dir: Path) -> list[Path]:
-    """Every plot the history allows, as PNGs in ``out_dir``: loss curves; digit-position error when
-    the run logged ``digit_acc_pos<i>`` metrics."""
-    drawn = [plot_loss_curves(history, Path(out_dir) / "loss_curves.png")]
+    """Every plot the history allows, as PNGs in ``out_dir``: loss curves; the scores of generated
+    answers; digit-position error when the run logged ``digit_acc_pos<i>`` metrics."""
+    drawn = [
+        plot_loss_curves(history, Path(out_dir) / "loss_curves.png"),
+        plot_score_curves(history, Path(out_dir) / "eval_scores.png"),
+    ]
     series = digit_position_series(history)
     if series:
         drawn.append(plot_digit_position_error(series, Path(out_dir) / "digit_position_error.png"))

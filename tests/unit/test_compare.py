@@ -12,7 +12,7 @@ import pytest
 def compare():
     """The comparison's pure parts, under one name as the tests below use them."""
     from ntil_ds.comparison import results
-    from ntil_ds.tracking.mlflow_comparison import metric_key
+    from ntil_ds.tracking.step_log import metric_key
 
     return SimpleNamespace(
         **{n: getattr(results, n) for n in dir(results) if not n.startswith("_")}, metric_key=metric_key
