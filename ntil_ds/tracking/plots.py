@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import re
+import statistics
 from pathlib import Path
 
 from matplotlib.figure import Figure
@@ -154,5 +155,36 @@ def plot_comparison(
         better = "higher" if metric in higher_is_better else "lower"
         ax.set_title(f"{metric} ({better} is better)", fontsize=9)
         ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(title, fontsize=10)
+    return _save(fig, path)
+
+
+def plot_comparison_curves(
+    curves: dict[str, dict[str, dict[int, list[float]]]], metrics: tuple[str, ...], path: Path, title: str
+) -> Path | None:
+    """One panel per score against the step, one line per loss (the mean over seeds) with the seeds'
+    spread as a band (mean +- sample std); ``curves``: {loss: {score: {step: [a value per seed]}}}.
+    None when no run logged scores while training (eval.generate_every=0)."""
+    shown = [m for m in metrics if any(curves[label].get(m) for label in curves)]
+    if not shown:
+        return None
+    fig = Figure(figsize=(3.8 * len(shown) + 0.5, 3.6), layout="constrained")
+    for ax, metric in zip(fig.subplots(1, len(shown), squeeze=False)[0], shown, strict=True):
+        for colour, (label, by_metric) in enumerate(curves.items()):
+            series = by_metric.get(metric, {})
+            steps = sorted(series)
+            if not steps:
+                continue
+            means = [statistics.fmean(series[s]) for s in steps]
+            spread = [statistics.stdev(series[s]) if len(series[s]) > 1 else 0.0 for s in steps]
+            ax.plot(steps, means, color=f"C{colour}", marker="." if len(steps) < 30 else None, label=label)
+            low = [m - s for m, s in zip(means, spread, strict=True)]
+            high = [m + s for m, s in zip(means, spread, strict=True)]
+            ax.fill_between(steps, low, high, color=f"C{colour}", alpha=0.2)
+        ax.set_title(
+            f"{metric} ({'higher' if metric in HIGHER_IS_BETTER else 'lower'} is better)", fontsize=9
+        )
+        ax.set_xlabel("optimizer step")
+        _finish_axes(ax)
     fig.suptitle(title, fontsize=10)
     return _save(fig, path)
