@@ -2,7 +2,8 @@
 
 config -> dist/loss/data/model -> engine/checkpoint/tracking -> trainer -> launch.
 loss, data and model never import each other, deepspeed or mlflow; only engine.py imports deepspeed;
-exactly one module under tracking/ imports mlflow.
+only tracking/mlflow_*.py import mlflow,
+and only tracking/build.py (lazily) and the tracking CLI import those; tracking/base.py is below them all.
 """
 
 import ast
@@ -60,13 +61,32 @@ def test_only_engine_imports_deepspeed():
     assert offenders in ([], ["engine.py"]), f"deepspeed imported outside engine.py: {offenders}"
 
 
-def test_mlflow_imported_in_one_tracking_module():
+def test_mlflow_imported_only_in_the_mlflow_tracking_modules():
     users = [
         p.relative_to(PACKAGE).parts
         for p in library_files()
         if any(top(n) == "mlflow" for n in imported_modules(p))
     ]
-    assert len(users) <= 1 and all(parts[0] == "tracking" for parts in users), users
+    assert users, "no module imports mlflow: the rule below checks nothing"
+    offenders = [u for u in users if not (u[0] == "tracking" and u[-1].startswith("mlflow_"))]
+    assert not offenders, f"mlflow imported outside tracking/mlflow_*.py: {offenders}"
+
+
+def test_tracking_base_imports_nothing_from_tracking():
+    """The protocol every tracker builds on: below all of tracking/, so no cycle can run through it."""
+    for name in imported_modules(PACKAGE / "tracking" / "base.py"):
+        assert not name.startswith("ntil_ds."), f"tracking/base.py imports {name}"
+
+
+def test_only_build_and_the_cli_import_the_mlflow_tracking_modules():
+    """Any other importer would put mlflow's 1.6 s import on every rank (build imports it lazily)."""
+    allowed = {("tracking", "build.py"), ("tracking", "__main__.py")}
+    for path in library_files():
+        parts = path.relative_to(PACKAGE).parts
+        if parts in allowed or (parts[0] == "tracking" and parts[-1].startswith("mlflow_")):
+            continue
+        users = [n for n in imported_modules(path) if n.startswith("ntil_ds.tracking.mlflow_")]
+        assert not users, f"{path} imports {users}: call ntil_ds.tracking.build_tracker instead"
 
 
 @pytest.mark.parametrize("lower", ["config.py", "dist.py"])
