@@ -19,7 +19,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from ntil_ds.tracking.tracker import Tracker
+from ntil_ds.tracking.base import Tracker
 
 log = logging.getLogger(__name__)
 

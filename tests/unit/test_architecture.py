@@ -176,15 +176,31 @@ def test_only_engine_imports_deepspeed():
 
 
 def test_only_mlflow_tracking_modules_import_mlflow():
-    for name in users_of("mlflow"):
+    users = users_of("mlflow")
+    assert users, "no module imports mlflow: the rule below checks nothing"
+    for name in users:
         parts = Path(name).parts
         assert parts[0] == "tracking" and parts[-1].startswith("mlflow_"), f"{name} imports mlflow"
 
 
 def test_tracking_base_stands_alone():
-    base = PACKAGE / "tracking" / "base.py"
-    assert base.is_file()
-    assert not [n for n in imported_modules(base) if n.startswith("ntil_ds.tracking")]
+    """The protocol every tracker builds on: below all of tracking/, so no cycle can run through it."""
+    for name in imported_modules(PACKAGE / "tracking" / "base.py"):
+        assert not name.startswith("ntil_ds."), f"tracking/base.py imports {name}"
+
+
+# Importers of tracking/mlflow_*.py: any other would put mlflow's 1.6 s import on every rank. build.py
+# imports the tracker lazily on the main rank; the CLI and the comparison grid run as one process.
+MLFLOW_MODULE_IMPORTERS = {("tracking", "build.py"), ("tracking", "__main__.py"), ("comparison", "grid.py")}
+
+
+def test_only_build_and_single_process_tools_import_the_mlflow_tracking_modules():
+    for path in library_files():
+        parts = path.relative_to(PACKAGE).parts
+        if parts in MLFLOW_MODULE_IMPORTERS or (parts[0] == "tracking" and parts[-1].startswith("mlflow_")):
+            continue
+        users = [n for n in imported_modules(path) if n.startswith("ntil_ds.tracking.mlflow_")]
+        assert not users, f"{path} imports {users}: call ntil_ds.tracking.build_tracker instead"
 
 
 def test_leaf_packages_are_independent():
