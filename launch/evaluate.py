@@ -18,10 +18,11 @@ from pathlib import Path
 
 import torch
 from tqdm import tqdm
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+from transformers import AutoConfig
 
 from ntil_ds.data import ConversationDataset, load_processor, prompt_batch, split_last_answer, tokenizer_of
 from ntil_ds.metrics import score
+from ntil_ds.model.parts import auto_model_class
 
 
 def evaluate(
@@ -78,7 +79,7 @@ def task_of(split: Path) -> str:
 
 def load_model(model_dir: Path, dtype: str):
     config = AutoConfig.from_pretrained(model_dir)
-    auto_class = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
+    auto_class = auto_model_class("auto", config)  # an MLLM when the config has a vision part
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = auto_class.from_pretrained(model_dir, dtype=getattr(torch, dtype))
     return model.to(device).eval()

@@ -52,7 +52,7 @@ class ModelConfig:
 
 @dataclass
 class LoraConfig:
-    """LoRA / QLoRA (ntil_ds/model/lora.py). Off by default: full fine-tuning."""
+    """LoRA (ntil_ds/model/lora.py) / QLoRA (ntil_ds/model/quantize.py). Off by default: full fine-tuning."""
 
     enabled: bool = False
     r: int = 16
@@ -64,7 +64,7 @@ class LoraConfig:
     # digits through the output head: keep lm_head here (embed_tokens too for tied-embedding models).
     modules_to_save: str = "lm_head"
     # nf4: QLoRA, the language model's frozen linear weights loaded in 4 bits (bitsandbytes); the head,
-    # projector and vision tower stay 16-bit (ntil_ds/model/lora.py). ZeRO-2 and ZeRO-3.
+    # projector and vision tower stay 16-bit (ntil_ds/model/quantize.py). ZeRO-2 and ZeRO-3.
     quantize: Literal["none", "nf4"] = "none"
     # Also write export/merged/: base + adapters merged, loads with plain from_pretrained.
     merge_on_export: bool = False

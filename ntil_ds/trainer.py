@@ -34,7 +34,6 @@ from ntil_ds.checkpoint import (
     TrainerState,
     agree_on_resume_checkpoint,
     check_resume_config,
-    export_hf_folder,
     load_checkpoint,
     save_checkpoint,
 )
@@ -52,6 +51,7 @@ from ntil_ds.data.steps import StepBatches, step_loader
 from ntil_ds.dist import DistInfo
 from ntil_ds.ds_config import write_deepspeed_config
 from ntil_ds.engine import TrainingEngine, device_for, leave_process_group, peak_memory_mib
+from ntil_ds.export import export_hf_folder
 from ntil_ds.loss import (
     NTILLoss,
     NTILOutput,

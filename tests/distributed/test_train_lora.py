@@ -116,7 +116,7 @@ def test_lora_export_adapter_and_merged_model_reload(setup, uninterrupted):
     from transformers import AutoModelForImageTextToText
 
     from ntil_ds.data import Collator, ConversationDataset, load_processor
-    from ntil_ds.model.lora import merged_state_dict
+    from ntil_ds.export import merged_state_dict
 
     _, model_dir, data_file = setup
     out = uninterrupted[0]

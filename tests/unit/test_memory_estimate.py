@@ -8,14 +8,14 @@ import pytest
 import torch
 
 from ntil_ds.config import load_config
-from ntil_ds.model.memory import (
+from ntil_ds.memory_estimate import (
     GIB,
-    KNOWN_CONFIGS,
     activation_bytes_per_token,
     count_parameters,
     estimate,
     hf_config_for,
 )
+from ntil_ds.model.known_configs import KNOWN_CONFIGS
 from ntil_ds.model.tiny import build_tiny_model_folder
 from tests.conftest import REPO_ROOT
 
@@ -257,6 +257,8 @@ def test_cli_prints_the_breakdown_and_exits_by_fit(capsys):
     assert "does NOT fit" in capsys.readouterr().out
     assert main([recipe, "--gpus", "1", "--gpu-memory-gb", "8", "model.name_or_path=org/unknown"]) == 2
     assert "config.json" in capsys.readouterr().err
+    assert main([recipe, "--gpus", "1", "--gpu-memory-gb", "8", "model.kind=llm"]) == 2  # a Qwen2-VL
+    assert "model.kind=llm contradicts the checkpoint" in capsys.readouterr().err
 
 
 def test_local_folder_config_is_read(tiny):
