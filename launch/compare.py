@@ -312,7 +312,7 @@ def prepare_inputs(args, out: Path) -> list[str]:
     """Tiny model folder and synthetic data under `out`, when asked: the overrides pointing at them."""
     overrides = []
     if args.tiny_model:
-        from ntil_ds.model.tiny import build_tiny_model_folder
+        from ntil_ds.tiny import build_tiny_model_folder
 
         kind, _, size = args.tiny_model.partition(":")
         folder = build_tiny_model_folder(kind, out / "model", **({"size": size} if size else {}))

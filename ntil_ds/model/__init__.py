@@ -1,5 +1,5 @@
 """Model building: transformers loading (LLM and MLLM), the names of a model's parts, freezing,
-attention, LoRA / QLoRA, fused kernels; tiny offline folders."""
+attention, LoRA / QLoRA, fused kernels. The tiny offline model folders are ``ntil_ds.tiny``."""
 
 from ntil_ds.model.loading import (
     LoadedModel,

@@ -18,7 +18,7 @@ from ntil_ds.data.packing import PACKING_KEYS, PackedCollator
 from ntil_ds.loss import NTILLoss, digit_token_ids_from_tokenizer
 from ntil_ds.model.kernels import ROTARY_MODULES, apply_kernels
 from ntil_ds.model.packing import rope_fn_for
-from ntil_ds.model.tiny import build_tiny_model_folder
+from ntil_ds.tiny import build_tiny_model_folder
 from tests.distributed.training_runs import write_mixed_arithmetic_data
 
 pytestmark = pytest.mark.gpu

@@ -20,7 +20,7 @@ import torch
 
 from ntil_ds.config import ConfigError
 from ntil_ds.model.kernels import ROTARY_MODULES, apply_kernels, language_model, require_kernels
-from ntil_ds.model.tiny import build_tiny_model_folder
+from ntil_ds.tiny import build_tiny_model_folder
 from tests.conftest import REPO_ROOT
 
 pytest.importorskip("liger_kernel")
@@ -101,7 +101,7 @@ def test_liger_rotary_equals_transformers_on_qwen2_vl_mrope_in_triton_interprete
         from transformers import AutoConfig, AutoModelForImageTextToText
         from transformers.models.qwen2_vl import modeling_qwen2_vl as m
         from liger_kernel.transformers.rope import liger_rotary_pos_emb
-        from ntil_ds.model.tiny import build_tiny_model_folder
+        from ntil_ds.tiny import build_tiny_model_folder
 
         folder = build_tiny_model_folder("qwen2_vl", {str(tmp_path / "q")!r})
         torch.manual_seed(0)

@@ -8,7 +8,7 @@ from torch import nn
 from ntil_ds.config import ConfigError, load_config
 from ntil_ds.export import merged_state_dict, save_lora_export
 from ntil_ds.model import load_model, model_part
-from ntil_ds.model.tiny import build_tiny_model_folder
+from ntil_ds.tiny import build_tiny_model_folder
 
 KINDS = ("qwen2_vl", "llava", "qwen3_vl", "gemma3", "internvl", "smolvlm", "qwen2")
 

@@ -89,7 +89,7 @@ def test_recipe_keys_reach_the_loss(tmp_path):
     from transformers import AutoTokenizer
 
     from ntil_ds.config import ConfigError, load_config
-    from ntil_ds.model.tiny import build_tiny_model_folder
+    from ntil_ds.tiny import build_tiny_model_folder
     from ntil_ds.trainer import build_loss
 
     tokenizer = AutoTokenizer.from_pretrained(build_tiny_model_folder("qwen2", tmp_path / "tiny"))

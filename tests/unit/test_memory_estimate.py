@@ -16,7 +16,7 @@ from ntil_ds.memory_estimate import (
     hf_config_for,
 )
 from ntil_ds.model.known_configs import KNOWN_CONFIGS
-from ntil_ds.model.tiny import build_tiny_model_folder
+from ntil_ds.tiny import build_tiny_model_folder
 from tests.conftest import REPO_ROOT
 
 RECIPES = sorted((REPO_ROOT / "configs" / "train").glob("*.yaml"))

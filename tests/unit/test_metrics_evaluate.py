@@ -13,7 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageText
 from ntil_ds.data import ConversationDataset, load_processor
 from ntil_ds.data.synthetic import write_dataset
 from ntil_ds.metrics import score
-from ntil_ds.model.tiny import build_tiny_model_folder
+from ntil_ds.tiny import build_tiny_model_folder
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -5,7 +5,7 @@ import torch
 
 from ntil_ds.config import ConfigError, load_config
 from ntil_ds.model import load_model, model_part, resolve_attn_implementation
-from ntil_ds.model.tiny import build_tiny_model_folder
+from ntil_ds.tiny import build_tiny_model_folder
 
 
 @pytest.fixture(scope="module")

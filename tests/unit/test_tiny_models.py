@@ -19,7 +19,7 @@ from transformers import (
 
 from ntil_ds.data.processor import load_processor, tokenizer_of
 from ntil_ds.model import model_part
-from ntil_ds.model.tiny import TINY_KINDS, build_tiny_model_folder
+from ntil_ds.tiny import TINY_KINDS, build_tiny_model_folder
 
 MLLM_KINDS = ("qwen2_vl", "qwen2_5_vl", "llava", "qwen3_vl", "gemma3", "internvl", "smolvlm")
 
