@@ -1,7 +1,7 @@
 """The import rules of docs/design/architecture.md, enforced by parsing the library's imports.
 
-config -> dist/loss/data/model -> engine/checkpoint/tracking -> trainer -> launch.
-loss, data and model never import each other, deepspeed or mlflow; only engine.py imports deepspeed;
+config -> dist/loss/data/model/tiny -> engine/checkpoint/tracking -> trainer -> launch.
+loss, data, model and tiny never import each other, deepspeed or mlflow; only engine.py imports deepspeed;
 exactly one module under tracking/ imports mlflow.
 """
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "ntil_ds"
-LEAF_PACKAGES = ("loss", "data", "model")
+LEAF_PACKAGES = ("loss", "data", "model", "tiny")
 
 
 def imported_modules(path: Path) -> set[str]:

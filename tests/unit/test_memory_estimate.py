@@ -1,6 +1,7 @@
-"""The memory estimator against independent references: DeepSpeed's own ZeRO estimators and parameter
-counting, tensors a real tiny model saves for backward, the published sizes of the flagship models, and
-the numbers written in the recipes' headers."""
+"""The memory estimator against independent references: DeepSpeed's own ZeRO estimators, defaults and
+parameter counting, tensors a real tiny model saves for backward, the published sizes of the flagship
+models. (The numbers written in the recipes' headers are checked too, as a snapshot of the estimator's
+own earlier output: they keep the recipes honest, they are no reference for the formulas.)"""
 
 import re
 
@@ -139,6 +140,40 @@ def test_full_fine_tuning_model_states_equal_deepspeeds_estimators(ds_json, gpus
             c.total, num_gpus_per_node=gpus, cpu_offload=offload_opt
         )
     assert result.model_states() == pytest.approx(gpu, rel=1e-9, abs=2)
+
+
+@pytest.mark.parametrize(
+    ("zero", "gpus"),
+    [
+        ({"stage": 3}, 4),  # DeepSpeed's defaults: 1e9 live parameters, a 5e7 prefetch bucket
+        ({"stage": 3}, 16),
+        ({"stage": 3, "stage3_max_live_parameters": 3e8, "stage3_prefetch_bucket_size": 2e7}, 8),
+    ],
+)
+def test_zero3_live_parameters_by_hand(zero, gpus):
+    """ZeRO-3 keeps gathered, besides each rank's partitions: up to stage3_max_live_parameters in bf16
+    (but at least the largest module with its gradient, DeepSpeed's estimators' 4 L) plus the prefetch
+    bucket in bf16. Computed here by hand from DeepSpeed's config defaults; the partitions (18 P / N) are
+    DeepSpeed's own estimator with no largest-layer term."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+
+    defaults = DeepSpeedZeroConfig()
+    assert (defaults.max_live_parameters, defaults.prefetch_bucket_size) == (1_000_000_000, 50_000_000)
+    cfg = _cfg("Qwen/Qwen2-VL-2B-Instruct")  # 2.2 B parameters, every one trains
+    result = estimate(cfg, {"zero_optimization": zero}, gpus=gpus, gpu_memory_gb=80)
+    total, largest = result.counts.total, result.counts.largest_module
+    _, partitions, _ = estimate_zero3_model_states_mem_needs(
+        total, 0, num_gpus_per_node=gpus, cpu_offload=False, cpu_offload_params=False
+    )
+    if "stage3_max_live_parameters" in zero:  # 2 B x 3e8 = 0.6 GB is below 4 L = 0.93 GB: the floor holds
+        assert 4 * largest > 2 * 3e8
+        live = 4 * largest + 2 * 2e7
+    else:  # 2 B x 1e9 = 2 GB (the model has more than 1e9 parameters) is above 4 L = 0.93 GB
+        assert total > 1e9 and 4 * largest < 2e9
+        live = 2 * 1e9 + 2 * 5e7
+    assert result.zero3_live_parameters == pytest.approx(live, rel=1e-12)
+    assert result.model_states() == pytest.approx(partitions + live, rel=1e-9, abs=2)
 
 
 def test_lora_and_qlora_shrink_what_they_should():

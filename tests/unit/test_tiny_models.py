@@ -23,6 +23,18 @@ from ntil_ds.tiny import TINY_KINDS, build_tiny_model_folder
 
 MLLM_KINDS = ("qwen2_vl", "qwen2_5_vl", "llava", "qwen3_vl", "gemma3", "internvl", "smolvlm")
 
+# Each family's vision tower and projector by parameter-name prefix (transformers 5.24's module names),
+# written out here independently of ntil_ds.model.parts, which they check: (tower, projector prefixes).
+VISION_PARTS = {
+    "qwen2_vl": ("model.visual.", ("model.visual.merger.",)),
+    "qwen2_5_vl": ("model.visual.", ("model.visual.merger.",)),
+    "qwen3_vl": ("model.visual.", ("model.visual.merger.", "model.visual.deepstack_merger_list.")),
+    "llava": ("model.vision_tower.", ("model.multi_modal_projector.",)),
+    "gemma3": ("model.vision_tower.", ("model.multi_modal_projector.",)),
+    "internvl": ("model.vision_tower.", ("model.multi_modal_projector.",)),
+    "smolvlm": ("model.vision_model.", ("model.connector.",)),
+}
+
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
@@ -64,6 +76,15 @@ def test_mllm_folder_loads_and_trains(folders, kind):
     n_image_tokens = int((batch["input_ids"] == image_id).sum())
     assert n_image_tokens > 0
 
+    tower, projector = VISION_PARTS[kind]
+    names = [n for n, _ in model.named_parameters()]
+    projector_names = {n for n in names if n.startswith(projector)}
+    tower_names = {n for n in names if n.startswith(tower)} - projector_names
+    assert tower_names and projector_names
+    # the project's classifier (freezing, LoRA placement, QLoRA's 4-bit rule) agrees with the list
+    assert {n for n in names if model_part(n) == "projector"} == projector_names
+    assert {n for n in names if model_part(n) == "vision_tower"} == tower_names
+
     out = model(**batch)
     assert out.logits.shape == (*batch["input_ids"].shape, len(tokenizer))
     out.logits.float().logsumexp(-1).mean().backward()
@@ -73,7 +94,7 @@ def test_mllm_folder_loads_and_trains(folders, kind):
     vision_grads = [
         p.grad
         for n, p in model.named_parameters()
-        if model_part(n) in ("vision_tower", "projector") and p.grad is not None
+        if n in tower_names | projector_names and p.grad is not None
     ]
     assert vision_grads and all(torch.isfinite(g).all() for g in vision_grads)
     assert any(g.abs().sum() > 0 for g in vision_grads)  # the image reached the loss
