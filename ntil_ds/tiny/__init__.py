@@ -57,7 +57,7 @@ def _resize(out: Path, kind: str, size: str) -> None:
     fields = TINY_SIZES[size]
     if not fields["text"] and not fields["vision"]:
         return
-    if fields["vision"] and kind != "qwen2_vl":
+    if fields["vision"] and kind not in ("qwen2_vl", "qwen2"):  # (qwen2 has no vision tower to resize)
         raise ValueError(f"tiny model size {size!r} is defined for qwen2_vl and qwen2 only, not {kind!r}")
     config = AutoConfig.from_pretrained(out)
     text = getattr(config, "text_config", config)

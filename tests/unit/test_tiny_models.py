@@ -230,3 +230,24 @@ def test_qwen_mm_token_type_ids_give_mrope_positions(folders, kind):
         torch.testing.assert_close(logits, reference, rtol=0, atol=1e-6)
         if kind == "qwen2_5_vl":  # silently falls back to 1D positions: the logits move
             assert (model(**without_types).logits - reference).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2"])
+def test_small_size_widens_the_text_model(tmp_path, kind):
+    """size="small" (launch/make_tiny_model.py --size small, compare.py --tiny-model qwen2:small)."""
+    folder = build_tiny_model_folder(kind, tmp_path / kind, size="small")
+    config = AutoConfig.from_pretrained(folder)
+    text = config.get_text_config()
+    assert (text.hidden_size, text.intermediate_size, text.num_attention_heads) == (128, 256, 8)
+    if kind == "qwen2_vl":
+        assert (config.vision_config.depth, config.vision_config.embed_dim) == (2, 64)
+        assert config.vision_config.hidden_size == 128  # the merger feeds the wider text model
+    assert json.loads((folder / "tiny_model.json").read_text()) == {"kind": kind, "size": "small"}
+    model = _build_model(folder, kind)
+    ids = torch.randint(0, text.vocab_size, (1, 8))
+    assert model(input_ids=ids).logits.shape == (1, 8, text.vocab_size)
+
+
+def test_small_size_is_refused_for_other_kinds(tmp_path):
+    with pytest.raises(ValueError, match="defined for qwen2_vl and qwen2 only, not 'llava'"):
+        build_tiny_model_folder("llava", tmp_path / "llava", size="small")
