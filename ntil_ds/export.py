@@ -8,11 +8,16 @@
   plain Hugging Face folder that loads with ``from_pretrained`` and no peft. QLoRA's merged model is a
   plain 16-bit one: the 4-bit base weights dequantized (what the adapters were trained against) with
   the adapters folded in.
+- ``lora.head=number_rows``: the head's delta goes into the adapter as peft's own rank-k LoRA on
+  ``lm_head`` (so ``PeftModel.from_pretrained`` loads it back, nothing of ntil-ds needed), and into
+  ``merged/`` as the base head with the delta added to its rows (tied embeddings untied there:
+  :mod:`ntil_ds.model.head_rows`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,8 +25,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file, save_file
 from torch import nn
 
+from ntil_ds.model.head_rows import NumberRowsHead, as_peft_lora, fold_delta, number_rows_head
 from ntil_ds.model.lora import lora_config_of
 
 if TYPE_CHECKING:  # (the engine imports deepspeed; this module is used without it, e.g. by unit tests)
@@ -58,16 +65,55 @@ def save_lora_export(model: nn.Module, state_dict: dict[str, torch.Tensor], out_
     ``state_dict``: the consolidated (gathered) weights of the PeftModel, adapters and base together.
     """
     lora = lora_config_of(model)
+    head = number_rows_head(model)
     with _without_weight_conversions(model):
         model.save_pretrained(out_dir, state_dict=state_dict, safe_serialization=True)
+    if head is not None:
+        _add_head_rows_to_adapter(out_dir, head, state_dict[f"{_PEFT_PREFIX}lm_head.delta"])
     if lora.merge_on_export:
         base = model.get_base_model()
         if getattr(base, "hf_quantizer", None) is not None:  # QLoRA
             state_dict = dequantized_state_dict(model, state_dict)
         merged = merged_state_dict(state_dict, scaling=lora.alpha / lora.r)
-        with _without_weight_conversions(base), _seen_as_unquantized(base):
+        if head is not None:
+            delta = merged.pop("lm_head.delta")
+            merged["lm_head.weight"] = fold_delta(merged["lm_head.weight"], head.rows, delta)
+        with _without_weight_conversions(base), _seen_as_unquantized(base), _untied(base, head is not None):
             base.save_pretrained(out_dir / MERGED_DIR, state_dict=merged, safe_serialization=True)
     log.info("exported the LoRA adapter to %s%s", out_dir, " (+ merged/)" if lora.merge_on_export else "")
+
+
+def _add_head_rows_to_adapter(out_dir: Path, head: NumberRowsHead, delta: torch.Tensor) -> None:
+    """Write the number-rows delta into the adapter peft saved, in peft's own format: a LoRA of rank k on
+    ``lm_head`` (``lora_A`` the delta, ``lora_B`` the rows' one-hot columns, alpha = r = k: scaling 1),
+    so that ``PeftModel.from_pretrained`` loads it back alone. (peft's save picks a model's adapter
+    tensors by its LoRA layers, and the head is none: the two files are completed here.)"""
+    weights_file, config_file = out_dir / "adapter_model.safetensors", out_dir / "adapter_config.json"
+    a, b = as_peft_lora(delta, head.rows, head.out_features)
+    tensors = load_file(weights_file)
+    tensors |= {f"{_PEFT_PREFIX}lm_head.lora_A.weight": a, f"{_PEFT_PREFIX}lm_head.lora_B.weight": b}
+    save_file(tensors, weights_file, metadata={"format": "pt"})
+    config = json.loads(config_file.read_text())
+    k = len(head.rows)
+    config["target_modules"] = sorted({*config["target_modules"], "lm_head"})
+    config["rank_pattern"] = {**(config.get("rank_pattern") or {}), "lm_head": k}
+    config["alpha_pattern"] = {**(config.get("alpha_pattern") or {}), "lm_head": k}
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+@contextlib.contextmanager
+def _untied(model: nn.Module, untie: bool) -> Iterator[None]:
+    """With ``untie``, ``model``'s config as a model whose head is its own matrix (the number-rows delta
+    changed the head, not the input embedding); otherwise as it is."""
+    configs = {id(c): c for c in (model.config, model.config.get_text_config())}.values()  # (once each)
+    tied = [c for c in configs if getattr(c, "tie_word_embeddings", False)] if untie else []
+    for c in tied:
+        c.tie_word_embeddings = False
+    try:
+        yield
+    finally:
+        for c in tied:
+            c.tie_word_embeddings = True
 
 
 @contextlib.contextmanager

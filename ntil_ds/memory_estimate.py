@@ -22,7 +22,9 @@ GPUs, L = the largest module's own parameters):
   (2 B x ``stage3_prefetch_bucket_size``).
 - logits and loss: micro_batch x max_seq_len x vocab x 2 B for the bf16 logits, and as much again for
   NTIL's forward + backward (measured on an H200 at [4, 2048, 151936] in bf16: NTILLoss's forward +
-  backward peaked 2386 MiB above the 2374 MiB of logits, i.e. 1.0x).
+  backward peaked 2386 MiB above the 2374 MiB of logits, i.e. 1.0x). ``lora.head=number_rows`` adds its
+  delta to the logits out of place: one more logits-sized tensor for a moment, inside that budget (the
+  one it replaces is freed at once); its k x H delta counts as trained, the head as frozen.
 - activations of the language model, per token and layer, measured with saved-tensor hooks on Qwen2
   layers in bf16 (tests/unit/test_memory_estimate.py): 20 h + 4 kv + 8 i bytes (h hidden, kv the key/value
   width, i the MLP width); with gradient checkpointing only each layer's input is kept (2 h bytes) plus
@@ -47,6 +49,7 @@ from torch import nn
 
 from ntil_ds.config import Config, ConfigError
 from ntil_ds.ds_config import tensor_parallel_size
+from ntil_ds.loss.tokenizer import DIGITS
 from ntil_ds.model.known_configs import KNOWN_CONFIGS
 from ntil_ds.model.loading import freeze_parts
 from ntil_ds.model.lora import apply_lora
@@ -100,8 +103,11 @@ def count_parameters(cfg: Config) -> tuple[ParamCounts, Any]:
                 for n, m in model.named_modules()
                 if isinstance(m, nn.Linear) and is_quantized_linear(n, cfg.lora)
             )
+        # lora.head=number_rows: as many head rows as the tokens NTIL reads (which ids they are does not
+        # change a count)
+        rows = list(range(len(DIGITS) + cfg.loss.signed_numbers + cfg.loss.decimal_numbers))
         with torch.device("meta"):
-            model = apply_lora(model, cfg.model, cfg.lora)
+            model = apply_lora(model, cfg.model, cfg.lora, rows if cfg.lora.head == "number_rows" else None)
     else:
         freeze_parts(model, cfg.model)
     unique = {id(p): p for p in model.parameters()}.values()

@@ -57,6 +57,7 @@ from ntil_ds.loss import (
     NTILOutput,
     digit_token_ids_from_tokenizer,
     number_sign_and_point_ids_from_tokenizer,
+    number_token_ids,
 )
 from ntil_ds.loss.ntl import NTLLoss
 from ntil_ds.loss.numbers import analyse_numbers
@@ -197,7 +198,12 @@ class Trainer:
         # Same seed on every rank: random init is identical everywhere (ZeRO-3 keeps one slice each).
         _seed_everything(cfg.train.seed)
         # keeps the ZeRO-3 config alive with the model; lora: peft adapters when cfg.lora.enabled
-        self.loaded = load_model(cfg.model, ds_config, self.device, lora=cfg.lora)
+        # (lora.head=number_rows trains the head's rows of the tokens NTIL reads)
+        number_rows = None
+        if cfg.lora.enabled and cfg.lora.head == "number_rows":
+            c = cfg.loss
+            number_rows = number_token_ids(tokenizer_of(self.processor), c.signed_numbers, c.decimal_numbers)
+        self.loaded = load_model(cfg.model, ds_config, self.device, lora=cfg.lora, number_rows=number_rows)
         if dist_info.is_main:
             log.info("attention implementation: %s", self.loaded.attn_implementation)
         self.engine = TrainingEngine(self.loaded.model, cfg, ds_config)

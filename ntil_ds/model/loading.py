@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,11 +63,13 @@ def load_model(
     ds_config: dict[str, Any] | None = None,
     device: torch.device | None = None,
     lora: LoraConfig | None = None,
+    number_rows: Sequence[int] | None = None,
 ) -> LoadedModel:
     """Build the model described by ``cfg`` (random weights come from torch's global RNG: seed first).
 
     ``ds_config``: the merged DeepSpeed config; with ZeRO stage 3 the parameters are partitioned over
     the ranks as they are created. None: a plain single-process model (evaluation, export checks).
+    ``number_rows``: the head rows ``lora.head=number_rows`` trains (the token ids NTIL reads).
     """
     from transformers import AutoConfig
     from transformers.integrations import HfDeepSpeedConfig, is_deepspeed_zero3_enabled
@@ -111,8 +114,8 @@ def load_model(
         log.info("frozen: %s", ", ".join(f"{part} ({n} tensors)" for part, n in frozen.items()))
     if use_lora:
         # ``lora``: the recipe's lora block; the model comes back wrapped in peft (ntil_ds/model/lora.py):
-        # the base frozen, adapters and lora.modules_to_save trained.
-        model = apply_lora(model, cfg, lora)
+        # the base frozen, adapters, lora.modules_to_save and what lora.head says trained.
+        model = apply_lora(model, cfg, lora, number_rows)
     return LoadedModel(
         model=model,
         kind=kind,

@@ -2,10 +2,11 @@
 
 What trains: low-rank adapters on the ``lora.target_modules`` linear layers of the **language model**
 (never the vision tower: its linear layers share names like ``q_proj`` in SigLIP-based families), plus
-the modules in ``lora.modules_to_save``, trained in full and saved with the adapter. NTIL's gradient
-reaches the digits through the output head, so the recipes keep ``lm_head`` there; the projector goes
-there too when ``model.freeze_projector=false``. The vision tower must be frozen (a full trainable copy
-of it inside the adapter is not what LoRA is for): ``model.freeze_vision_tower=true``.
+the modules in ``lora.modules_to_save``, trained in full and saved with the adapter (the projector goes
+there when ``model.freeze_projector=false``), plus what ``lora.head`` says of the output head: ``full``
+(it joins ``modules_to_save``), ``frozen``, or ``number_rows`` (a delta on the rows of the tokens NTIL
+reads: :mod:`ntil_ds.model.head_rows`). The vision tower must be frozen (a full trainable copy of it
+inside the adapter is not what LoRA is for): ``model.freeze_vision_tower=true``.
 
 Under ZeRO-3 the base model is already partitioned when peft wraps it (``zero.Init``): the adapters
 are created as ordinary tensors and ``deepspeed.initialize`` partitions them with the rest; peft gathers
@@ -21,10 +22,12 @@ is :mod:`ntil_ds.export`. The recipe checks that need only the config (``model.f
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 from torch import nn
 
 from ntil_ds.config import ConfigError, LoraConfig, ModelConfig
+from ntil_ds.model.head_rows import attach_number_rows
 from ntil_ds.model.parts import has_vision, model_part
 
 log = logging.getLogger(__name__)
@@ -63,8 +66,11 @@ def lora_target_names(model: nn.Module, lora: LoraConfig) -> list[str]:
 
 
 def _modules_to_save(model: nn.Module, cfg: ModelConfig, lora: LoraConfig) -> list[str]:
-    """``lora.modules_to_save``, plus the projector's outermost modules when the recipe trains it."""
+    """The head when ``lora.head=full``, ``lora.modules_to_save``, and the projector's outermost modules
+    when the recipe trains it."""
     names = split_names(lora.modules_to_save)
+    if lora.head == "full" and "lm_head" not in names:
+        names.insert(0, "lm_head")
     if has_vision(model.config) and not cfg.freeze_projector:
         # e.g. model.multi_modal_projector, model.visual.merger (+ model.visual.deepstack_merger_list)
         tops = set()
@@ -82,8 +88,14 @@ def _modules_to_save(model: nn.Module, cfg: ModelConfig, lora: LoraConfig) -> li
     return names
 
 
-def apply_lora(model: nn.Module, cfg: ModelConfig, lora: LoraConfig) -> nn.Module:
-    """Wrap ``model`` with LoRA adapters as the recipe's ``lora`` block says; returns the PeftModel."""
+def apply_lora(
+    model: nn.Module, cfg: ModelConfig, lora: LoraConfig, number_rows: Sequence[int] | None = None
+) -> nn.Module:
+    """Wrap ``model`` with LoRA adapters as the recipe's ``lora`` block says; returns the PeftModel.
+
+    ``number_rows``: with ``lora.head=number_rows``, the head rows that train (the token ids NTIL reads:
+    ``ntil_ds.loss.number_token_ids``; the trainer finds them in the tokenizer).
+    """
     try:
         from peft import LoraConfig as PeftLoraConfig
         from peft import get_peft_model
@@ -97,6 +109,8 @@ def apply_lora(model: nn.Module, cfg: ModelConfig, lora: LoraConfig) -> nn.Modul
             "lora.enabled=true trains adapters on the language model only; set model.freeze_vision_tower=true "
             "(a fully trained vision tower would be copied whole into the adapter)"
         )
+    if lora.head == "number_rows" and not number_rows:
+        raise ValueError("lora.head=number_rows: give the head rows to train (number_rows=token ids)")
     targets = lora_target_names(model, lora)
     to_save = _modules_to_save(model, cfg, lora)
     peft_config = PeftLoraConfig(
@@ -107,20 +121,24 @@ def apply_lora(model: nn.Module, cfg: ModelConfig, lora: LoraConfig) -> nn.Modul
         target_modules=targets,
         modules_to_save=to_save or None,
         bias="none",
-        # Tied input/output embeddings (Gemma 3): the trained copy of lm_head stays tied to the embedding,
-        # as in the base model, so the merged export (which ties them again) keeps the trained head.
-        ensure_weight_tying=_ties_embeddings(model),
+        # Tied input/output embeddings (Gemma 3) with lora.head=full: the trained copy of lm_head stays
+        # tied to the embedding, as in the base model, so the merged export (which ties them again) keeps
+        # the trained head.
+        ensure_weight_tying=_ties_embeddings(model) and lora.head == "full",
     )
     # Adapters in the base model's dtype: DeepSpeed's bf16 mode expects one dtype for all parameters.
     peft_model = get_peft_model(model, peft_config, autocast_adapter_dtype=False)
+    if lora.head == "number_rows":  # after peft froze the base: the delta is the one new trained tensor
+        attach_number_rows(peft_model.get_base_model(), number_rows)
     setattr(peft_model, _LORA_CONFIG_ATTR, lora)
     trainable = sum(p.numel() if not hasattr(p, "ds_numel") else p.ds_numel for p in _trainable(peft_model))
     log.info(
-        "LoRA r=%d alpha=%g on %d linear layers; trained in full: %s; %d trainable parameters",
+        "LoRA r=%d alpha=%g on %d linear layers; trained in full: %s;%s %d trainable parameters",
         lora.r,
         lora.alpha,
         len(targets),
         ", ".join(to_save) or "nothing",
+        f" the head's rows of {len(number_rows)} number tokens;" if lora.head == "number_rows" else "",
         trainable,
     )
     return peft_model

@@ -207,6 +207,31 @@ def test_lora_and_qlora_shrink_what_they_should():
     assert qlora.total < lora.total < full.total
 
 
+def test_lora_head_choices_count_what_they_train():
+    """lora.head on Qwen3-VL-8B (V = 151936, H = 4096): full trains the V x H head and keeps peft's frozen
+    copy of it; number_rows trains k x H (the ten digits, + '-' and '.' when NTIL reads them); frozen
+    trains none of it."""
+    name = "Qwen/Qwen3-VL-8B-Instruct"
+    ds = {"zero_optimization": {"stage": 2}}
+
+    def counts(*overrides):
+        cfg = _cfg(name, "model.freeze_vision_tower=true", "lora.enabled=true", *overrides)
+        return estimate(cfg, ds, gpus=1, gpu_memory_gb=24)
+
+    full, frozen = counts("lora.head=full"), counts("lora.head=frozen")
+    rows = counts("lora.head=number_rows")
+    signed = counts("lora.head=number_rows", "loss.signed_numbers=true", "loss.decimal_numbers=true")
+    vocab, hidden = 151936, 4096
+    assert full.counts.trainable - frozen.counts.trainable == vocab * hidden == 622_329_856
+    assert full.counts.total - frozen.counts.total == vocab * hidden  # the trained copy beside the original
+    assert rows.counts.trainable - frozen.counts.trainable == 10 * hidden
+    assert signed.counts.trainable - frozen.counts.trainable == 12 * hidden
+    assert rows.counts.total - frozen.counts.total == 10 * hidden
+    # ZeRO-2 on one GPU: 6 B of gradients and 12 B of optimizer states per trained parameter
+    assert rows.gradients - frozen.gradients == pytest.approx(6 * 10 * hidden)
+    assert rows.optimizer_states - frozen.optimizer_states == pytest.approx(12 * 10 * hidden)
+
+
 def _saved_bytes_per_token(model, tokens, vocab):
     """Bytes of the tensors autograd keeps for backward during one forward (parameters excluded)."""
     seen = {}
