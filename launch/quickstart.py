@@ -29,7 +29,7 @@ from pathlib import Path
 from ntil_ds.config import load_config
 from ntil_ds.data.synthetic import write_dataset
 from ntil_ds.jobs import REPO_ROOT, TRAIN_SCRIPT, job_env, launcher_command, train_args
-from ntil_ds.model.tiny import build_tiny_model_folder
+from ntil_ds.tiny import build_tiny_model_folder
 from ntil_ds.tracking import resolve_tracking_uri
 
 

@@ -52,7 +52,7 @@ class ModelConfig:
 
 @dataclass
 class LoraConfig:
-    """LoRA / QLoRA (ntil_ds/model/lora.py). Off by default: full fine-tuning."""
+    """LoRA (ntil_ds/model/lora.py) / QLoRA (ntil_ds/model/quantize.py). Off by default: full fine-tuning."""
 
     enabled: bool = False
     r: int = 16
@@ -60,11 +60,17 @@ class LoraConfig:
     dropout: float = 0.05
     # Comma-separated layer names inside the language model, or "all-linear" (never the vision tower).
     target_modules: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
-    # Comma-separated modules trained in full and saved with the adapter. NTIL's gradient reaches the
-    # digits through the output head: keep lm_head here (embed_tokens too for tied-embedding models).
-    modules_to_save: str = "lm_head"
+    # What of the output head trains. full: every row, saved with the adapter (peft's modules_to_save;
+    # tied embeddings train with it); frozen: nothing (NTIL's gradient still reaches the adapters through
+    # it); number_rows: only the rows of the tokens NTIL reads (the ten digits, and '-' / '.' when
+    # loss.signed_numbers / loss.decimal_numbers), as a small delta saved with the adapter and merged on
+    # export (ntil_ds/model/head_rows.py).
+    head: Literal["full", "frozen", "number_rows"] = "full"
+    # Comma-separated modules besides the head trained in full and saved with the adapter (the projector
+    # is added when model.freeze_projector=false). lm_head here is the old spelling of lora.head=full.
+    modules_to_save: str = ""
     # nf4: QLoRA, the language model's frozen linear weights loaded in 4 bits (bitsandbytes); the head,
-    # projector and vision tower stay 16-bit (ntil_ds/model/lora.py). ZeRO-2 and ZeRO-3.
+    # projector and vision tower stay 16-bit (ntil_ds/model/quantize.py). ZeRO-2 and ZeRO-3.
     quantize: Literal["none", "nf4"] = "none"
     # Also write export/merged/: base + adapters merged, loads with plain from_pretrained.
     merge_on_export: bool = False
@@ -373,7 +379,17 @@ def _validate_lora(cfg: Config) -> None:
             raise ConfigError(
                 f"lora.quantize={lora.quantize} needs lora.enabled=true (QLoRA is LoRA on 4-bit weights)"
             )
+        if lora.head != "full":
+            raise ConfigError(
+                f"lora.head={lora.head} needs lora.enabled=true (full fine-tuning trains the whole head; "
+                "model.freeze_language_model=true freezes it with the language model)"
+            )
         return
+    if lora.head != "full" and "lm_head" in [m.strip() for m in lora.modules_to_save.split(",")]:
+        raise ConfigError(
+            f"lora.modules_to_save={lora.modules_to_save!r} trains the whole output head, which contradicts "
+            f"lora.head={lora.head}; remove lm_head from lora.modules_to_save (lora.head decides the head)"
+        )
     if lora.r <= 0 or lora.alpha <= 0:
         raise ConfigError(f"lora.r={lora.r} and lora.alpha={lora.alpha} must be > 0")
     if not 0.0 <= lora.dropout < 1.0:

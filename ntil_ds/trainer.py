@@ -30,7 +30,6 @@ from ntil_ds.checkpoint import (
     TrainerState,
     agree_on_resume_checkpoint,
     check_resume_config,
-    export_hf_folder,
     load_checkpoint,
 )
 from ntil_ds.config import Config, flatten, gradient_accumulation_steps, save_config
@@ -49,7 +48,8 @@ from ntil_ds.ds_config import write_deepspeed_config
 from ntil_ds.engine import TrainingEngine, device_for, peak_memory_mib
 from ntil_ds.evaluation.numeric import NumericEval
 from ntil_ds.evaluation.teacher_forced import TeacherForcedEval
-from ntil_ds.loss import NTILOutput
+from ntil_ds.export import export_hf_folder
+from ntil_ds.loss import NTILOutput, number_token_ids
 from ntil_ds.loss.build import build_loss, check_loss_supports
 from ntil_ds.model import load_model
 from ntil_ds.model.packing import rope_fn_for
@@ -113,7 +113,12 @@ class Trainer:
         # Same seed on every rank: random init is identical everywhere (ZeRO-3 keeps one slice each).
         _seed_everything(cfg.train.seed)
         # keeps the ZeRO-3 config alive with the model; lora: peft adapters when cfg.lora.enabled
-        self.loaded = load_model(cfg.model, ds_config, self.device, lora=cfg.lora)
+        # (lora.head=number_rows trains the head's rows of the tokens NTIL reads)
+        number_rows = None
+        if cfg.lora.enabled and cfg.lora.head == "number_rows":
+            c = cfg.loss
+            number_rows = number_token_ids(tokenizer_of(self.processor), c.signed_numbers, c.decimal_numbers)
+        self.loaded = load_model(cfg.model, ds_config, self.device, lora=cfg.lora, number_rows=number_rows)
         if dist_info.is_main:
             log.info("attention implementation: %s", self.loaded.attn_implementation)
         self.engine = TrainingEngine(self.loaded.model, cfg, ds_config)

@@ -25,8 +25,8 @@ from ntil_ds.config import ConfigError, load_config
 from ntil_ds.data.synthetic import write_dataset
 from ntil_ds.evaluation.generate import score_exported_model, task_of, write_report
 from ntil_ds.jobs import log_tail, run_training_job
-from ntil_ds.model.tiny import build_tiny_model_folder
 from ntil_ds.scoring import HIGHER_IS_BETTER, metrics_shown
+from ntil_ds.tiny import build_tiny_model_folder
 from ntil_ds.tracking import resolve_tracking_uri
 from ntil_ds.tracking.mlflow_comparison import ComparisonRuns
 from ntil_ds.tracking.plots import plot_comparison, plot_comparison_curves

@@ -22,7 +22,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "ntil_ds"
 CODE_FOLDERS = ("ntil_ds", "launch", "benchmarks")
-LEAF_PACKAGES = ("loss", "data", "model")
+LEAF_PACKAGES = ("loss", "data", "model", "tiny")
 FOUNDATION = ("config", "dist", "constants")
 LIBRARY_FILE_LINES = 450
 TRAINER_LINES = 400
