@@ -9,6 +9,7 @@
    some answers and the mean error against chance.
 
     python launch/quickstart.py [--task arithmetic|clock] [--out outputs/quickstart] [key=value ...]
+    python launch/quickstart.py --entrypoint "bash docker/entrypoint.sh" ...   # train via a container's entry point
 
 Extra key=value arguments go to the training recipe (configs/train/tiny_qwen2_arithmetic.yaml or
 configs/train/tiny_qwen2vl_clock.yaml).
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import socket
 import subprocess
@@ -102,10 +104,10 @@ def job_env() -> dict[str, str]:
     return env
 
 
-def run(command: list[str], what: str) -> None:
+def run(command: list[str], what: str, extra_env: dict[str, str] | None = None) -> None:
     print(f"\n=== {what}\n$ {' '.join(command)}", flush=True)
     started = time.perf_counter()
-    result = subprocess.run(command, cwd=REPO_ROOT, env=job_env())
+    result = subprocess.run(command, cwd=REPO_ROOT, env={**job_env(), **(extra_env or {})})
     if result.returncode != 0:
         sys.exit(f"quickstart: {what} failed (exit code {result.returncode}); see the output above")
     print(f"=== {what}: done in {time.perf_counter() - started:.0f} s", flush=True)
@@ -118,6 +120,11 @@ def main() -> None:
     parser.add_argument("--out", default="outputs/quickstart", help="everything goes under this folder")
     parser.add_argument("--task", choices=sorted(DEMOS), default="arithmetic", help="the easy task to learn")
     parser.add_argument("--samples", type=int, help="samples over train/val/test (default: the task's)")
+    parser.add_argument(
+        "--entrypoint",
+        help="train through this container entry point (`ENTRYPOINT train --config ...`, NPROC_PER_NODE=2) "
+        "instead of calling deepspeed; make container-test passes the image's",
+    )
     parser.add_argument("overrides", nargs="*", help="recipe overrides, e.g. train.max_steps=20")
     args = parser.parse_args()
     started = time.perf_counter()
@@ -142,21 +149,19 @@ def main() -> None:
         *args.overrides,
     ]
     cfg = load_config(demo.recipe, overrides)  # fail here, not in 2 processes, on a bad override
-    deepspeed = str(Path(sys.executable).with_name("deepspeed"))
-    run(
-        [
-            deepspeed,
-            "--num_gpus",
-            "2",
-            "--master_port",
-            str(free_port()),
-            "launch/train.py",
-            "--config",
-            str(demo.recipe),
-            *overrides,
-        ],
-        "train (deepspeed launcher, 2 CPU processes, ZeRO-3)",
-    )
+    recipe_args = ["--config", str(demo.recipe), *overrides]
+    port = str(free_port())
+    if args.entrypoint:
+        # The entry point's `train` runs deepspeed --master_port MASTER_PORT --num_gpus NPROC_PER_NODE.
+        command = [*shlex.split(args.entrypoint), "train", *recipe_args]
+        launcher_env = {"NPROC_PER_NODE": "2", "MASTER_PORT": port}
+        what = f"train through the entry point `{args.entrypoint} train` (deepspeed, 2 CPU processes, ZeRO-3)"
+    else:
+        deepspeed = str(Path(sys.executable).with_name("deepspeed"))
+        command = [deepspeed, "--num_gpus", "2", "--master_port", port, "launch/train.py", *recipe_args]
+        launcher_env = {}
+        what = "train (deepspeed launcher, 2 CPU processes, ZeRO-3)"
+    run(command, what, launcher_env)
     export_dir = run_dir / "export"
     results_file = run_dir / "eval_test.json"
     run(
