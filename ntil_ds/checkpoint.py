@@ -61,6 +61,7 @@ RESUMABLE_CHANGES = (
     "model.kernels",  # fused kernels compute the same functions
     "loss.kernel",  # the same loss through the Triton kernel or the torch tiles
     "loss.number_stage",  # the same number stage, compiled or eager
+    "loss.logits",  # the head at the labelled rows or everywhere: the same loss and gradients
     "tracking.",
     "eval.",  # what is evaluated and how often; not what a step computes
 )

@@ -94,6 +94,10 @@ class LossConfig:
     # number_stage: eager runs the per-digit/per-number terms as written; compile runs them through
     # torch.compile (fewer, fused kernels on CUDA; compiled once at the first step, ~tens of seconds).
     number_stage: Literal["eager", "compile"] = "eager"
+    # logits: labelled runs the output head only at the positions with a target, in chunks fused with the
+    # loss (no full-vocabulary logits tensor; ntil_ds/labelled_forward.py); all asks the model for its
+    # logits everywhere (for comparison; loss.name=ntl always reads them, ntloss needs every row).
+    logits: Literal["labelled", "all"] = "labelled"
 
 
 @dataclass

@@ -20,7 +20,11 @@ GPUs, L = the largest module's own parameters):
 - ZeRO-3 live parameters: 2 B x ``stage3_max_live_parameters`` (what DeepSpeed may keep gathered; at
   least 4 L, the largest module with its gradient, as its estimators count it) plus the prefetch bucket
   (2 B x ``stage3_prefetch_bucket_size``).
-- logits and loss: micro_batch x max_seq_len x vocab x 2 B for the bf16 logits, and as much again for
+- logits and loss with ``loss.logits=labelled`` (the default): one chunk of the labelled rows' logits
+  (``labelled_head.CHUNK_ELEMENTS`` = 2**27 elements at most, fewer when the micro-batch has fewer
+  positions), recomputed in the backward with its gradient in fp32 and once more in the model's dtype:
+  chunk x (2 B + 4 B + 2 B) in bf16, 1 GiB at most; from the code, not yet measured on a GPU.
+- with ``loss.logits=all``: micro_batch x max_seq_len x vocab x 2 B for the bf16 logits, and as much again for
   NTIL's forward + backward (measured on an H200 at [4, 2048, 151936] in bf16: NTILLoss's forward +
   backward peaked 2386 MiB above the 2374 MiB of logits, i.e. 1.0x). ``lora.head=number_rows`` adds its
   delta to the logits out of place: one more logits-sized tensor for a moment, inside that budget (the
@@ -49,6 +53,8 @@ from torch import nn
 
 from ntil_ds.config import Config, ConfigError
 from ntil_ds.ds_config import tensor_parallel_size
+from ntil_ds.loss.build import head_on_labelled_rows
+from ntil_ds.loss.labelled_head import CHUNK_ELEMENTS
 from ntil_ds.loss.tokenizer import DIGITS
 from ntil_ds.model.known_configs import KNOWN_CONFIGS
 from ntil_ds.model.loading import freeze_parts
@@ -249,6 +255,8 @@ def estimate(cfg: Config, ds_json: dict[str, Any], gpus: int, gpu_memory_gb: flo
         tokens = cfg.data.max_tokens_per_micro_batch
     vocab = hf_config.get_text_config().vocab_size
     logits = tokens * vocab * wbytes * (1 + NTIL_PEAK_OVER_LOGITS) / tp
+    if head_on_labelled_rows(cfg):  # a bound: the labelled rows are at most every position
+        logits = min(tokens * vocab / tp, CHUNK_ELEMENTS) * (2 * wbytes + 4)
 
     def activations(checkpointing: bool) -> float:
         kept, recompute = activation_bytes_per_token(hf_config, cfg.model.dtype, checkpointing)

@@ -1,6 +1,10 @@
 """What one micro-batch costs: the model's forward and the loss on its output, for the trainer to
 differentiate and for evaluation to score.
 
+With ``loss.logits=labelled`` (the default) the output head runs only at the positions with a target,
+fused with the loss's vocabulary stage (:mod:`ntil_ds.labelled_forward`); with ``all`` the model returns
+its logits at every position and the loss reads them. Both give the same loss and gradients.
+
 The model is called without ``labels=`` (Hugging Face would compute its own loss on full-vocabulary
 logits, which may not exist here); its logits are this rank's vocabulary slice under AutoTP's
 vocab-parallel head (:class:`~ntil_ds.model.tensor_parallel.VocabShard`), and the loss works on that
@@ -22,7 +26,14 @@ import torch
 from ntil_ds.data.batch import MicroBatch
 from ntil_ds.dist import all_gather_tensors
 from ntil_ds.engine import TrainingEngine
-from ntil_ds.loss import NTILOutput
+from ntil_ds.labelled_forward import (
+    applied_softcap,
+    head_module,
+    head_returns_row_stats,
+    loss_from_rows,
+    row_inputs,
+)
+from ntil_ds.loss import NTILLoss, NTILOutput
 from ntil_ds.model.tensor_parallel import VocabShard
 
 
@@ -35,10 +46,30 @@ class Objective:
     vocab_shard: VocabShard | None
     device: torch.device
     dtype: torch.dtype  # the model's floating dtype: pixels are cast to it
+    labelled_head: bool = True  # loss.logits=labelled (the loss must be NTILLoss)
+
+    def __post_init__(self) -> None:
+        if self.labelled_head:
+            if not isinstance(self.loss_fn, NTILLoss):
+                raise TypeError(f"loss.logits=labelled needs NTILLoss, got {type(self.loss_fn).__name__}")
+            model = self.engine.module
+            self.head, self.softcap = head_module(model), applied_softcap(model)
 
     def loss(self, micro_batch: MicroBatch, generator: torch.Generator | None) -> NTILOutput:
         """Forward + loss (under ZeRO-3: one gather of every parameter)."""
-        return self.loss_of_logits(self.logits(micro_batch), micro_batch, generator)
+        if not self.labelled_head:
+            return self.loss_of_logits(self.logits(micro_batch), micro_batch, generator)
+        labels, extra = micro_batch.loss_inputs(self.device)
+        rows = micro_batch.labelled_rows.to(self.device, non_blocking=True)
+        targets, noise, payload = row_inputs(
+            self.loss_fn, labels, rows, self.dtype, generator, self.vocab_shard is not None
+        )
+        model = self.engine.module
+        with head_returns_row_stats(
+            model, self.head, self.loss_fn, rows, targets, payload, self.vocab_shard, self.softcap
+        ):
+            row_stats = self.logits(micro_batch)
+        return loss_from_rows(self.loss_fn, labels, rows, row_stats, noise, extra.get("unpack_index"))
 
     def logits(self, micro_batch: MicroBatch) -> torch.Tensor:
         """``[B, T, V_local]``: this rank's vocabulary slice of the logits."""

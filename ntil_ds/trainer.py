@@ -50,7 +50,7 @@ from ntil_ds.evaluation.numeric import NumericEval
 from ntil_ds.evaluation.teacher_forced import TeacherForcedEval
 from ntil_ds.export import export_hf_folder
 from ntil_ds.loss import NTILOutput, number_token_ids
-from ntil_ds.loss.build import build_loss, check_loss_supports
+from ntil_ds.loss.build import build_loss, check_loss_supports, head_on_labelled_rows
 from ntil_ds.model import load_model
 from ntil_ds.model.packing import rope_fn_for
 from ntil_ds.model.tensor_parallel import find_vocab_shard
@@ -126,7 +126,14 @@ class Trainer:
         # With AutoTP's vocab-parallel head, this rank's logits are one slice of the vocabulary.
         vocab_shard = find_vocab_shard(self.engine.module, dist_info.tp_size)
         check_loss_supports(cfg, vocab_parallel=vocab_shard is not None)
-        self.objective = Objective(self.engine, loss_fn, vocab_shard, self.device, self.loaded.dtype)
+        labelled = head_on_labelled_rows(cfg)
+        if dist_info.is_main and cfg.loss.logits == "labelled" and not labelled:
+            log.info(
+                "loss.name=%s reads the logits of every position: the head runs on all of them", cfg.loss.name
+            )
+        self.objective = Objective(
+            self.engine, loss_fn, vocab_shard, self.device, self.loaded.dtype, labelled
+        )
 
         self.collator = Collator(self.processor, fake_image=cfg.data.fake_image)
         self.train_collator = self._train_collator()

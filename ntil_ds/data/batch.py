@@ -27,9 +27,12 @@ class MicroBatch:
     tensors: dict[str, torch.Tensor]  # the collator's output: model inputs, ``targets``, packing keys
     num_targets: int = field(init=False)  # positions with a target (the loss's token count)
     num_input_tokens: int = field(init=False)  # real input tokens (attention_mask 1): the throughput
+    # Flat positions ``b * T + t`` with a target, ascending: where loss.logits=labelled runs the head.
+    labelled_rows: torch.Tensor = field(init=False)
 
     def __post_init__(self) -> None:
-        self.num_targets = int((self.tensors["targets"] != IGNORE_INDEX).sum())
+        self.labelled_rows = (self.tensors["targets"].flatten() != IGNORE_INDEX).nonzero().squeeze(1)
+        self.num_targets = self.labelled_rows.numel()
         self.num_input_tokens = int(self.tensors["attention_mask"].sum())
 
     @property

@@ -52,3 +52,9 @@ def check_loss_supports(cfg: Config, *, vocab_parallel: bool) -> None:
             "ntloss needs the full vocabulary): use loss.name=ntil, emd or ce, or train without tensor "
             "parallelism"
         )
+
+
+def head_on_labelled_rows(cfg: Config) -> bool:
+    """Whether the output head runs at the labelled positions only (``loss.logits=labelled``): every loss
+    but ``ntl``, which reads the full-vocabulary logits of every position (ntloss needs them)."""
+    return cfg.loss.logits == "labelled" and cfg.loss.name != "ntl"

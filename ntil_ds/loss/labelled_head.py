@@ -15,16 +15,14 @@ logits: per row the cross-entropy, the digit (and minus) column logits, the row 
   weight, its bias and the row delta. On a shard the hidden states' gradient is summed over the group
   (the head is column-parallel: each rank saw its slice of the vocabulary).
 - Extra memory: one chunk's logits and their gradient, whatever the number of rows.
-- The head's weight must be whole during the backward: ``OutputHead.gather`` makes it so (ZeRO-3 keeps
-  it partitioned between forwards; the engine provides the context; without ZeRO-3 it does nothing).
+- The head's weight must be whole during the backward: under ZeRO-3 the caller runs this inside the head
+  module's forward, so DeepSpeed's own hooks gather the weight for the forward and again when the
+  gradient reaches the module's output (:mod:`ntil_ds.labelled_forward`).
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -57,7 +55,6 @@ class OutputHead:
     bias: torch.Tensor | None = None
     row_delta: tuple[torch.Tensor, torch.Tensor] | None = None
     softcap: float | None = None
-    gather: Callable[[], Any] = field(default=contextlib.nullcontext)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[R, V_local]`` logits of ``[R, H]`` hidden states, in the hidden states' dtype."""
@@ -107,7 +104,9 @@ class _LabelledHeadStats(torch.autograd.Function):
     ):  # fmt: skip
         num_rows = hidden.shape[0]
         kernel = kernel_wanted(hidden, kernel_choice)  # the logits have the hidden states' dtype and device
-        spans = [(start, min(start + chunk, num_rows)) for start in range(0, num_rows, chunk)]
+        # No labelled row (a rank's micro-batch can have none) is one empty chunk: the head still gets its
+        # (zero) gradient, which ZeRO reduces on every rank alike.
+        spans = [(start, min(start + chunk, num_rows)) for start in range(0, num_rows, chunk)] or [(0, 0)]
         pieces = []
         for start, stop in spans:
             logits = head.logits(hidden[start:stop])
@@ -136,37 +135,36 @@ class _LabelledHeadStats(torch.autograd.Function):
         hidden, log_sum_exp, targets, column_ids = ctx.saved_tensors
         head: OutputHead = ctx.head
         want_hidden, want_weight, want_bias, want_delta = ctx.needs_input_grad[:4]
-        with head.gather():  # the whole head weight, once for every chunk
-            weight, bias = head.weight, head.bias
-            rows, delta = head.row_delta if head.row_delta is not None else (None, None)
-            acc = compute_dtype(hidden.dtype)  # sums over chunks in fp32 (fp64 for fp64)
-            grad_hidden = torch.zeros_like(hidden, dtype=acc) if want_hidden else None
-            grad_weight = torch.zeros_like(weight, dtype=acc) if want_weight else None
-            grad_bias = torch.zeros_like(bias, dtype=acc) if want_bias else None
-            grad_delta = torch.zeros_like(delta, dtype=acc) if want_delta else None
-            for start, stop in ctx.spans:
-                h = hidden[start:stop]
-                logits = head.logits(h)
-                grad = logits_gradient(
-                    logits, log_sum_exp[start:stop], targets[start:stop], column_ids, ctx.vocab_start,
-                    None if grad_ce is None else grad_ce[start:stop],
-                    None if grad_columns is None else grad_columns[start:stop], ctx.kernel,
-                )  # fmt: skip
-                if head.softcap is not None:  # d(cap tanh(z / cap)) / dz = 1 - tanh^2 = 1 - (logits / cap)^2
-                    grad = grad * (1 - (logits.to(acc) / head.softcap) ** 2)
-                grad = grad.to(h.dtype)
-                if grad_hidden is not None:
-                    part = grad @ weight
-                    if rows is not None:
-                        part = part + grad.index_select(1, rows) @ delta
-                    grad_hidden[start:stop] = part
-                if grad_weight is not None:
-                    grad_weight += _product_in(acc, grad.t(), h)
-                if grad_bias is not None:
-                    grad_bias += grad.to(acc).sum(dim=0)
-                if grad_delta is not None:
-                    grad_delta += _product_in(acc, grad.index_select(1, rows).t(), h)
-                del logits, grad
+        weight = head.weight
+        rows, delta = head.row_delta if head.row_delta is not None else (None, None)
+        # Gradients summed over chunks are summed in fp32 (fp64 for fp64), each chunk's product rounded
+        # once into it; with one chunk the product is the gradient, rounded once as on whole logits.
+        acc = compute_dtype(hidden.dtype) if len(ctx.spans) > 1 else hidden.dtype
+        grad_hidden = torch.empty_like(hidden) if want_hidden else None  # each row written once
+        grad_weight = grad_bias = grad_delta = None
+        for start, stop in ctx.spans:
+            h = hidden[start:stop]
+            logits = head.logits(h)
+            grad = logits_gradient(
+                logits, log_sum_exp[start:stop], targets[start:stop], column_ids, ctx.vocab_start,
+                None if grad_ce is None else grad_ce[start:stop],
+                None if grad_columns is None else grad_columns[start:stop], ctx.kernel,
+            )  # fmt: skip
+            if head.softcap is not None:  # d(cap tanh(z / cap)) / dz = 1 - tanh^2 = 1 - (logits / cap)^2
+                grad = grad * (1 - (logits.to(grad.dtype) / head.softcap) ** 2)
+            grad = grad.to(h.dtype)
+            if grad_hidden is not None:
+                part = grad @ weight
+                if rows is not None:
+                    part = part + grad.index_select(1, rows) @ delta
+                grad_hidden[start:stop] = part
+            if want_weight:
+                grad_weight = _accumulate(grad_weight, _product_in(acc, grad.t(), h))
+            if want_bias:
+                grad_bias = _accumulate(grad_bias, grad.to(compute_dtype(h.dtype)).sum(dim=0))
+            if want_delta:
+                grad_delta = _accumulate(grad_delta, _product_in(acc, grad.index_select(1, rows).t(), h))
+            del logits, grad
         if grad_hidden is not None and ctx.process_group is not None:
             # column-parallel head: each rank's part of dL/dh comes from its slice of the vocabulary
             dist.all_reduce(grad_hidden, op=dist.ReduceOp.SUM, group=ctx.process_group)
@@ -178,6 +176,10 @@ class _LabelledHeadStats(torch.autograd.Function):
         )
         grads = [None if g is None else g.to(like.dtype) for g, like in pairs]
         return (*grads, None, None, None, None, None, None, None, None, None)
+
+
+def _accumulate(total: torch.Tensor | None, part: torch.Tensor) -> torch.Tensor:
+    return part if total is None else total.add_(part)
 
 
 def _product_in(acc: torch.dtype, left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:

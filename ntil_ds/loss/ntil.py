@@ -250,30 +250,54 @@ class NTILLoss:
         """
         self._check_inputs(logits, labels, process_group, vocab_start)
         batch, length, local_vocab = logits.shape
-        num_positions = batch * length
-        digit_ids, column_ids, place_values = self._device_constants(logits.device)
         labels = labels.long()
-
-        labelled = labels != self.ignore_index
-        # Stage-1 targets: -1 = no label; other negative ids are invalid and must show up (NaN).
-        targets = torch.where(labelled, torch.where(labels < 0, torch.iinfo(torch.long).max, labels), -1)
-        noise = None
-        if self.uses_gumbel and self.gumbel_noise_scale > 0:
-            exponential = torch.empty(
-                num_positions, 2 * 10, dtype=compute_dtype(logits.dtype), device=logits.device
-            )
-            exponential.exponential_(generator=generator)
-            noise = -exponential.log() * self.gumbel_noise_scale
+        targets, noise = self.position_targets_and_noise(labels, compute_dtype(logits.dtype), generator)
         ce, columns, row_max, noise = position_stats(
-            logits.reshape(num_positions, local_vocab),
-            targets.flatten(),
-            column_ids,
+            logits.reshape(batch * length, local_vocab),
+            targets,
+            self._device_constants(logits.device)[1],
             vocab_start=vocab_start,
             process_group=process_group,
             payload=noise,
             kernel=self.kernel,
         )
+        return self.from_position_stats(labels, ce, columns, row_max, noise, unpack_index)
 
+    @property
+    def column_ids(self) -> list[int]:
+        """The token ids whose logits stage 2 reads: the ten digits, then the minus sign in signed mode."""
+        return list(self._column_ids)
+
+    def position_targets_and_noise(
+        self, labels: torch.Tensor, dtype: torch.dtype, generator: torch.Generator | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Stage 1's inputs for ``[B, T]`` labels: flat targets ``[B*T]`` (-1 = no label; other negative
+        ids are invalid and must show up as NaN) and the Gumbel noise ``[B*T, 20]`` in ``dtype`` drawn from
+        ``generator`` (None when no term uses it). The labelled head takes both at its rows."""
+        labels = labels.long()
+        labelled = labels != self.ignore_index
+        targets = torch.where(labelled, torch.where(labels < 0, torch.iinfo(torch.long).max, labels), -1)
+        noise = None
+        if self.uses_gumbel and self.gumbel_noise_scale > 0:
+            exponential = torch.empty(labels.numel(), 2 * 10, dtype=dtype, device=labels.device)
+            exponential.exponential_(generator=generator)
+            noise = -exponential.log() * self.gumbel_noise_scale
+        return targets.flatten(), noise
+
+    def from_position_stats(
+        self,
+        labels: torch.Tensor,
+        ce: torch.Tensor,
+        columns: torch.Tensor,
+        row_max: torch.Tensor,
+        noise: torch.Tensor | None,
+        unpack_index: torch.Tensor | None = None,
+    ) -> NTILOutput:
+        """The loss from stage 1's per-position results over ``[B, T]`` labels (``[B*T]`` ce and row max,
+        ``[B*T, C]`` columns, the noise as stage 1 passed it on): the number stage and the combination."""
+        labels = labels.long()
+        labelled = labels != self.ignore_index
+        digit_ids, _, place_values = self._device_constants(labels.device)
         num_tokens = labelled.sum()
         ce_sum = ce.sum()
         ce_mean = ce_sum / num_tokens.clamp(min=1)

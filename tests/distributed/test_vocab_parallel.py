@@ -6,7 +6,9 @@ and 32003 split unevenly, digit ids on one shard / spread over all shards / stra
 boundary, 30 % ignored labels, digit-free sequences, fp32 and bf16, Gumbel noise off and on, the
 signed/decimal options, an all-ignored micro-batch. Each rank compares its loss, parts and slice
 gradient with the unsharded NTILLoss, and the collectives are counted through a wrapper around
-torch.distributed.
+torch.distributed. The labelled head (loss.logits=labelled: the head's shard applied to the hidden states
+of the labelled rows, in chunks) is compared the same way, with the gradients of the hidden states and of
+the head's slice.
 """
 
 import itertools
@@ -19,7 +21,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ntil_ds.labelled_forward import loss_from_rows, row_inputs, row_stats
 from ntil_ds.loss import NTILLoss
+from ntil_ds.loss.labelled_head import OutputHead
+from ntil_ds.model.tensor_parallel import VocabShard
 
 FIELDS = ("loss", "ntil", "emd", "rel", "mag", "ce_mean", "ce_sum")
 COLLECTIVES = [
@@ -152,6 +157,50 @@ def _run_case(
     return out
 
 
+def _run_labelled_case(rank, world, group, *, vocab, options, seed, hidden_size=16):
+    """The labelled head on this rank's rows of the head against the whole head's logits."""
+    digit_ids = _digit_ids("straddle", vocab, world)
+    _, labels = _make_batch(3, 24, vocab, digit_ids, seed=seed, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(3, 24, hidden_size, generator=generator)
+    weight = torch.randn(vocab, hidden_size, generator=generator) * 0.5
+    kwargs = {"gumbel_noise_scale": 1.0}
+    if options:
+        kwargs |= {
+            "signed_numbers": True,
+            "minus_sign_id": 1,
+            "decimal_numbers": True,
+            "decimal_point_id": vocab - 2,
+        }
+        labels[1, 3], labels[1, 10], labels[2, 6] = 1, vocab - 2, 1
+    loss_fn = NTILLoss(digit_ids, kernel="torch", **kwargs)
+
+    full_hidden, full_weight = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    expected = loss_fn(full_hidden @ full_weight.t(), labels, generator=torch.Generator().manual_seed(1234))
+    expected.loss.backward()
+
+    start, stop = _shard_bounds(vocab, world)[rank]
+    local_hidden, local_weight = hidden.clone().requires_grad_(), weight[start:stop].clone().requires_grad_()
+    rows = (labels.flatten() != -100).nonzero().squeeze(1)
+    noise_source = torch.Generator().manual_seed(1234 if rank == 0 else 99 + rank)
+    targets, noise, payload = row_inputs(loss_fn, labels, rows, torch.float32, noise_source, True)
+    column_ids = torch.tensor(loss_fn.column_ids)
+    shard = VocabShard(group, start, stop)
+    stats = row_stats(
+        local_hidden, OutputHead(local_weight), rows, targets, column_ids, shard, payload, "torch"
+    )
+    out = loss_from_rows(loss_fn, labels, rows, stats, noise, None)
+    out.loss.backward()
+
+    for field in FIELDS:
+        torch.testing.assert_close(
+            getattr(out, field), getattr(expected, field), rtol=1e-6, atol=1e-7, msg=field
+        )
+    torch.testing.assert_close(local_hidden.grad, full_hidden.grad, rtol=1e-5, atol=1e-8)
+    torch.testing.assert_close(local_weight.grad, full_weight.grad[start:stop], rtol=1e-5, atol=1e-8)
+    _assert_same_on_all_ranks(torch.stack([getattr(out, field).detach() for field in FIELDS]), group)
+
+
 def _traffic(rank, world, group, vocab):
     """Collectives and bytes of one forward+backward at B*T = 32 positions."""
     digit_ids = _digit_ids("spread", vocab, world)
@@ -182,6 +231,9 @@ def _check_group(rank, world, group) -> dict:
         _run_case(rank, world, group, vocab=1003, placement="straddle", dtype=dtype, noise=1.0, options=True)
     _run_case(rank, world, group, noise=1.0, all_ignored=True, **{**common, "seed": 2})
     cases += 5
+    for vocab, options in ((1003, False), (32003, False), (1003, True)):
+        _run_labelled_case(rank, world, group, vocab=vocab, options=options, seed=cases)
+        cases += 1
     return {
         "cases": cases,
         "traffic": {vocab: _traffic(rank, world, group, vocab) for vocab in (1003, 32003)},
@@ -213,7 +265,7 @@ def test_vocab_parallel_loss_equals_unsharded_on_2_3_and_4_ranks(tmp_path):
     results = json.loads(result_file.read_text())
     assert sorted(results) == ["2", "3", "4"]
     for world, result in results.items():
-        assert result["cases"] == 29, world
+        assert result["cases"] == 32, world
         # Traffic is O(B*T) and independent of V: one MAX all-reduce of N floats and one SUM
         # all-reduce of N * (3 + 10) floats, with N = 32 positions; no other collective; nothing
         # in the backward. An all-gather of the logits would move N * V * 4 bytes per rank.
