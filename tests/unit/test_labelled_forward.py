@@ -112,6 +112,25 @@ def test_heads_frozen_or_number_rows_delta(root):
     assert head.delta.grad is not None and head.delta.grad.abs().sum() > 0
 
 
+def test_lora_adapters_with_peft_trained_copy_of_the_head(root):
+    """lora.head=full: peft calls its trained copy of the head (modules_to_save); the labelled head must
+    compute that copy, so the adapters and the copy get the whole-logits gradients."""
+    from ntil_ds.config import LoraConfig, ModelConfig
+    from ntil_ds.model.lora import apply_lora
+
+    processor, dataset, model = _setup(root, "qwen2_vl")
+    lora = LoraConfig(enabled=True, r=4, dropout=0.0, head="full")
+    model = apply_lora(model, ModelConfig(freeze_vision_tower=True), lora)
+    with torch.no_grad():  # adapters away from their zero start, so their gradients are not trivially equal
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.1)
+    micro_batch = _batch(Collator(processor, fake_image=True), dataset, range(4))
+    _assert_same(model, _loss_fn(processor), micro_batch)
+    trained = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert any("modules_to_save" in n for n in trained) and any("lora_A" in n for n in trained)
+
+
 def test_signed_decimal_numbers_and_softcapped_logits(root):
     """Gemma 3's causal LM applies ``final_logit_softcapping`` after its head; the labelled head applies
     it itself (and the model's is off meanwhile). Signed mode reads the minus column and the row max."""
