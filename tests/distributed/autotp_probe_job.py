@@ -1,7 +1,8 @@
 """launch/train.py, unchanged, with a probe on the AutoTP vocab-parallel output head.
 
 A global forward hook records, for every forward of the module DeepSpeed built with
-``vocab_parallel_lm_head``, the shape of its output and the vocabulary rows it holds; each rank writes
+``vocab_parallel_lm_head``, the shape of its output (training: the labelled head's row statistics of
+this rank's slice; generation: that slice's logits), its weight's rows and the vocabulary rows it holds; each rank writes
 them to ``$LOGITS_PROBE_DIR/rank<R>.json`` when the run ends. Used by test_autotp.py.
 """
 
@@ -22,6 +23,7 @@ def probe(module: torch.nn.Module, inputs: tuple, output: torch.Tensor) -> None:
         records.append(
             {
                 "shape": list(output.shape),
+                "weight_rows": int(module.weight.shape[0]),
                 "vocab_start": int(module.vocab_start_index),
                 "vocab_end": int(module.vocab_end_index),
                 "vocab_size": int(module.vocab_size),

@@ -139,10 +139,13 @@ def test_each_rank_holds_its_vocab_slice_of_the_logits(runs):
         assert len(records) - len(training) >= 6
         for record in records:
             width = record["vocab_end"] - record["vocab_start"]
-            assert record["vocab_size"] == vocab
-            assert record["shape"][-1] == width and (
-                not record["training"] or record["shape"][0] == MICRO_BATCH
-            )
+            assert record["vocab_size"] == vocab and record["weight_rows"] == width
+            if record["training"]:
+                # loss.logits=labelled: the head's output is the row statistics of its slice at the
+                # labelled rows (ce, 10 digit columns, row max, 20 noise values), never logits
+                assert len(record["shape"]) == 3 and record["shape"][0] == 1 and record["shape"][2] == 32
+            else:
+                assert record["shape"][-1] == width
         slices.append((records[0]["vocab_start"], records[0]["vocab_end"]))
     # Uneven split, contiguous, covering the whole vocabulary: [0, 258) and [258, 515).
     assert slices == [(0, (vocab + 1) // 2), ((vocab + 1) // 2, vocab)], slices
