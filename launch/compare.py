@@ -43,8 +43,8 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))  # run as a script from anywhere
 
-from ntil_ds.config import ConfigError, load_config  # noqa: E402
-from ntil_ds.tracking import resolve_tracking_uri  # noqa: E402
+from ntil_ds.config import ConfigError, load_config, redact_uri  # noqa: E402
+from ntil_ds.tracking import resolve_tracking_uri, take_uri_credentials  # noqa: E402
 
 # Metrics shown per task, the first one the numeric error the comparison is about (lower is better
 # unless listed in HIGHER_IS_BETTER).
@@ -343,7 +343,12 @@ def run_comparison(args) -> dict:
     evaluate = _evaluate_module()
     task = args.task or evaluate.task_of(test_split)
     metrics = TASK_METRICS.get(task, TASK_METRICS["arithmetic"])
-    uri = resolve_tracking_uri(cfg.tracking.uri, out, os.environ.get("MLFLOW_TRACKING_URI"))
+    # Credentials in the URI go into this process's environment, which the jobs inherit; the URI
+    # without them is what the jobs are given and what is printed and written.
+    uri = take_uri_credentials(
+        resolve_tracking_uri(cfg.tracking.uri, out, os.environ.get("MLFLOW_TRACKING_URI"))
+    )
+    base_overrides = [redact_uri(override) for override in base_overrides]
     name = f"compare-{recipe.stem}-{time.strftime('%Y%m%d-%H%M%S')}"
     mlflow_runs = ComparisonRuns(
         uri,
@@ -446,7 +451,7 @@ def write_outputs(
     report = {
         "name": name,
         "recipe": str(recipe),
-        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "command": redact_uri(" ".join([Path(sys.argv[0]).name, *sys.argv[1:]])),
         "task": task,
         "test_split": str(test_split),
         "losses": [label for label, _, _ in specs],

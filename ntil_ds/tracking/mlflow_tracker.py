@@ -116,15 +116,16 @@ class MlflowTracker:
         _quiet_sender_retries()
         self._thread = threading.Thread(target=self._send_loop, name=_SENDER_THREAD, daemon=True)
         self._thread.start()
-        # Waited for, whatever it takes (bounded by mlflow_client's HTTP policy): the trainer saves the run id
-        # in its checkpoints, and without it a resumed job could not continue the run.
+        # Waited for, whatever it takes (bounded by mlflow_client's HTTP policy): the trainer saves the
+        # run id in its checkpoints, and without it a resumed job could not continue the run.
         self._started.wait()
         if self._start_error is not None and required:
             self._journal.close()
             raise TrackingError(
                 f"tracking.required is true but the MLflow store {uri!r} cannot be used: "
                 f"{self._start_error}. Start the tracking server or fix tracking.uri / "
-                "MLFLOW_TRACKING_URI, or set tracking.required=false to train anyway (records are then "
+                "MLFLOW_TRACKING_URI (credentials: MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD, "
+                "or MLFLOW_TRACKING_TOKEN), or set tracking.required=false to train anyway (records are then "
                 f"kept in {self._journal.path} and sent when the store is back)."
             ) from self._start_error
         if self._run_id is not None:

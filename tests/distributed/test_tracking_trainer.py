@@ -1,19 +1,27 @@
 """MLflow tracking of the real trainer: launch/train.py with the tiny Qwen2-VL clock recipe, 2 ranks.
 
-One scenario, two jobs: a job killed (SIGKILL of every process, as a node failure) after its step-2
-checkpoint, then the resumed job to the end, both into the embedded default store
-(``sqlite:///<output_dir>/mlflow.db``). The run must be one run, holding every step once with the
-value first logged for it, the params of the resolved recipe, the eval steps, the plots and the model.
+Two scenarios:
+
+- a job killed (SIGKILL of every process, as a node failure) after its step-2 checkpoint, then the
+  resumed job to the end, both into the embedded default store (``sqlite:///<output_dir>/mlflow.db``).
+  The run must be one run, holding every step once with the value first logged for it, the params of
+  the resolved recipe, the eval steps, the plots and the model.
+- a short job logging to a real ``mlflow server`` behind MLflow's basic-auth app, its credentials given
+  in the URI (``http://user:password@host``): the run is logged, and the password is in no file the
+  job wrote, no line of its log and no param or tag of the run.
 """
 
 from __future__ import annotations
 
 import json
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
 
 from ntil_ds.config import flatten, load_config
+from tests.distributed.mlflow_server import MlflowServer
 from tests.distributed.training_runs import (
     TINY_RECIPE,
     kill_after_checkpoint,
@@ -38,31 +46,45 @@ def first_logged(output_dir: Path, split: str) -> dict[int, dict]:
 
 
 @pytest.fixture(scope="module")
-def killed_and_resumed(tmp_path_factory):
+def tiny_inputs(tmp_path_factory) -> dict[str, object]:
+    """The overrides every job here shares: a tiny Qwen2-VL folder and clock data, 2 x 2 per step."""
     from ntil_ds.data.synthetic import write_dataset
     from ntil_ds.model.tiny import build_tiny_model_folder
 
-    root = tmp_path_factory.mktemp("tracked_trainer")
-    model_dir = build_tiny_model_folder("qwen2_vl", root / "model")
+    root = tmp_path_factory.mktemp("tracked_trainer_inputs")
     data = write_dataset("clock", 40, root / "data", seed=0)
-    out = root / "run"
-    overrides = {
-        "output_dir": out,
-        "model.name_or_path": model_dir,
+    return {
+        "model.name_or_path": build_tiny_model_folder("qwen2_vl", root / "model"),
         "data.train_file": data["train"],
         "data.eval_file": data["val"],
         "optim.warmup_steps": 1,
-        "train.max_steps": STEPS,
         "train.micro_batch_size": 2,
         "train.global_batch_size": 4,
         "train.log_every": 1,
+    }
+
+
+def job_env() -> dict[str, str]:
+    env = launch_env()
+    for name in ("MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
+        env.pop(name, None)
+    return env
+
+
+@pytest.fixture(scope="module")
+def killed_and_resumed(tmp_path_factory, tiny_inputs):
+    root = tmp_path_factory.mktemp("tracked_trainer")
+    out = root / "run"
+    overrides = {
+        **tiny_inputs,
+        "output_dir": out,
+        "train.max_steps": STEPS,
         "train.save_every": 2,
         "train.eval_every": 3,
         "tracking.experiment": "trainer-test",
         "tracking.log_model": "true",
     }
-    env = launch_env()
-    env.pop("MLFLOW_TRACKING_URI", None)  # the embedded default store
+    env = job_env()  # no MLFLOW_TRACKING_URI: the embedded default store
     kill_after_checkpoint(overrides, 2, env=env, timeout=300)
     resumed = run_training(overrides, env=env)
     assert resumed.returncode == 0, resumed.stdout[-6000:]
@@ -121,3 +143,64 @@ def test_trainer_log_shows_where_the_run_is(killed_and_resumed):
     out, _, log = killed_and_resumed
     assert f"mlflow ui --backend-store-uri sqlite:///{out.resolve()}/mlflow.db" in log
     assert "unreachable" not in log and "did not reach" not in log
+
+
+# Basic-auth passwords must have 12 characters or more (MLflow's rule).
+USER, PASSWORD = "trainer", "secret-7Xq9Kp2m"
+
+
+@pytest.fixture(scope="module")
+def authenticated_job(tmp_path_factory, tiny_inputs):
+    """2 steps (checkpoint and eval at step 2) into a basic-auth server, credentials in tracking.uri."""
+    root = tmp_path_factory.mktemp("authenticated")
+    server = MlflowServer(root / "server", credentials=(USER, PASSWORD))
+    server.root.mkdir()
+    server.start()
+    try:
+        out = root / "run"
+        overrides = {
+            **tiny_inputs,
+            "output_dir": out,
+            "train.max_steps": 2,
+            "train.save_every": 2,
+            "train.eval_every": 2,
+            "train.export_at_end": "false",
+            "tracking.experiment": "authenticated",
+            "tracking.uri": server.uri.replace("http://", f"http://{USER}:{PASSWORD}@"),
+        }
+        job = run_training(overrides, env=job_env())
+        assert job.returncode == 0, job.stdout[-6000:]
+        yield server, out, job.stdout
+    finally:
+        server.kill()
+
+
+@pytest.mark.timeout(600)
+def test_credentials_in_the_uri_reach_the_server_and_are_written_nowhere(authenticated_job, monkeypatch):
+    from mlflow import MlflowClient
+
+    server, out, log = authenticated_job
+    # The server wants the credentials: the job could only log because it used them.
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(f"{server.uri}/api/2.0/mlflow/experiments/search?max_results=1", timeout=10)
+    assert refused.value.code == 401
+
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert out / "config.yaml" in files and out / "tracking" / "journal.jsonl" in files
+    assert any(p.name == "config.yaml" and "checkpoints" in p.parts for p in files), files
+    for secret in (PASSWORD, "secret"):
+        assert not [p for p in files if secret.encode() in p.read_bytes()], secret
+        assert not [line for line in log.splitlines() if secret in line], secret
+    server_artifacts = [p for p in (server.root / "artifacts").rglob("*") if p.is_file()]
+    assert server_artifacts and not [p for p in server_artifacts if PASSWORD.encode() in p.read_bytes()]
+
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", USER)
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", PASSWORD)
+    client = MlflowClient(server.uri)
+    experiment = client.get_experiment_by_name("authenticated")
+    [run] = client.search_runs([experiment.experiment_id])
+    assert run.info.status == "FINISHED"
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "train/loss")) == [1, 2]
+    assert run.data.params["tracking.uri"] == server.uri  # as given, less the credentials
+    shown = [*run.data.params.values(), *run.data.tags.values(), *experiment.tags.values()]
+    assert not [value for value in shown if "secret" in value]
