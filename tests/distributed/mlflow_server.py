@@ -6,14 +6,18 @@ sets one up) with one user, the server's admin, whose credentials the test gives
 
 from __future__ import annotations
 
+import base64
 import os
 import secrets
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+import urllib.error
 import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 
@@ -95,3 +99,57 @@ class MlflowServer:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=30)
         self.proc = None
+
+
+class SigningProxy:
+    """A loopback HTTP proxy that adds the server's basic-auth credentials to every request, as a
+    reverse proxy with its own login would.
+
+    For the browser: a page whose address holds credentials (``http://user:pw@host/``) loads, but the
+    MLflow UI's requests from it fail ("Request cannot be constructed from a URL that includes
+    credentials"), and headless Chromium has no other way to be given a password.
+    """
+
+    def __init__(self, server: MlflowServer) -> None:
+        user, password = server.credentials
+        authorization = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
+        upstream = server.uri
+
+        class Forward(BaseHTTPRequestHandler):
+            def _forward(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0)) or None
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")}
+                request = urllib.request.Request(
+                    upstream + self.path, data=body, method=self.command, headers=headers
+                )
+                request.add_header("Authorization", authorization)
+                try:
+                    response = urllib.request.urlopen(request, timeout=60)
+                except urllib.error.HTTPError as error:
+                    response = error
+                with response:
+                    payload = response.read()
+                    self.send_response(response.status)
+                    for key, value in response.headers.items():
+                        if key.lower() not in ("connection", "transfer-encoding", "content-length"):
+                            self.send_header(key, value)
+                    self.send_header("Content-Length", str(len(payload)))
+                    self.end_headers()
+                    self.wfile.write(payload)
+
+            do_GET = do_POST = do_PATCH = do_DELETE = do_PUT = _forward
+
+            def log_message(self, *args) -> None:  # quiet: the test reads its own output
+                pass
+
+        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Forward)
+        self.uri = f"http://127.0.0.1:{self._httpd.server_address[1]}"
+        self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
+
+    def __enter__(self) -> SigningProxy:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()

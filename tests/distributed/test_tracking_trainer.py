@@ -8,12 +8,17 @@ Two scenarios:
   the resolved recipe, the eval steps, the plots and the model.
 - a short job logging to a real ``mlflow server`` behind MLflow's basic-auth app, its credentials given
   in the URI (``http://user:password@host``): the run is logged, and the password is in no file the
-  job wrote, no line of its log and no param or tag of the run.
+  job wrote, no line of its log and no param or tag of the run. The address of the run's charts the
+  job prints at its start and end opens, in headless Chromium, on those charts in MLflow's
+  model-training view (not the GenAI one MLflow 3 opens by default).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -21,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from ntil_ds.config import flatten, load_config
-from tests.distributed.mlflow_server import MlflowServer
+from tests.distributed.mlflow_server import MlflowServer, SigningProxy
 from tests.distributed.training_runs import (
     TINY_RECIPE,
     kill_after_checkpoint,
@@ -204,3 +209,66 @@ def test_credentials_in_the_uri_reach_the_server_and_are_written_nowhere(authent
     assert run.data.params["tracking.uri"] == server.uri  # as given, less the credentials
     shown = [*run.data.params.values(), *run.data.tags.values(), *experiment.tags.values()]
     assert not [value for value in shown if "secret" in value]
+
+
+def chromium() -> str:
+    """Debian's chromium (`make system-deps`); CI (NTIL_REQUIRE_SLURM=1) fails without it."""
+    path = shutil.which("chromium")
+    if path is None:
+        reason = "chromium is not installed (`make system-deps` installs Debian's chromium)"
+        if os.environ.get("NTIL_REQUIRE_SLURM") or os.environ.get("CI"):
+            pytest.fail(f"{reason}; NTIL_REQUIRE_SLURM / CI is set")
+        pytest.skip(reason)
+    return path
+
+
+def rendered_page(url: str, profile: Path) -> str:
+    """The page's DOM after the MLflow UI (a JS app) has loaded its data and drawn its charts."""
+    command = [
+        chromium(),
+        *("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run"),
+        *("--disable-background-networking", "--disable-component-update", "--disable-sync"),
+        f"--user-data-dir={profile}",
+        "--window-size=1400,2600",  # tall: charts out of view are not drawn; the train section is third
+        "--virtual-time-budget=20000",
+        "--run-all-compositor-stages-before-draw",  # else the charts are still spinners when dumped
+        "--dump-dom",
+        url,
+    ]
+    page = subprocess.run(command, capture_output=True, text=True, timeout=180)
+    assert page.returncode == 0, page.stderr[-3000:]
+    return page.stdout
+
+
+@pytest.mark.timeout(600)
+def test_the_printed_address_opens_the_runs_charts_as_model_training(
+    authenticated_job, monkeypatch, tmp_path
+):
+    from mlflow import MlflowClient
+
+    server, _, log = authenticated_job
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", USER)
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", PASSWORD)
+    client = MlflowClient(server.uri)
+    experiment = client.get_experiment_by_name("authenticated")
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
+    [run] = client.search_runs([experiment.experiment_id])
+
+    address = (
+        f"{server.uri}/#/experiments/{experiment.experiment_id}/runs/{run.info.run_id}/model-metrics"
+        "?workflowType=machine_learning"
+    )
+    lines = log.splitlines()
+    printed = [i for i, line in enumerate(lines) if address in line]
+    first_step = next(i for i, line in enumerate(lines) if "step 1/2 loss" in line)
+    last_step = next(i for i, line in enumerate(lines) if "step 2/2 loss" in line)
+    assert len(printed) == 2 and printed[0] < first_step < last_step < printed[1], printed
+
+    with SigningProxy(server) as proxy:
+        page = rendered_page(address.replace(server.uri, proxy.uri), tmp_path / "chromium-profile")
+    assert run.info.run_name in page and "Model metrics" in page
+    # The model-training view's sidebar, not the GenAI one's:
+    assert "Model registry" in page and "Agent versions" not in page
+    # The run's charts were drawn (a chart per metric, titled by its name within its section):
+    assert page.count('class="main-svg"') >= 6
+    assert ">digit_acc<" in page and ">grad_norm<" in page  # eval/digit_acc, train/grad_norm

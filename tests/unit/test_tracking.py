@@ -169,6 +169,39 @@ def test_system_metrics_are_logged_at_training_steps_when_enabled(tmp_path, monk
     assert steps and set(steps) <= {1, 2, 3} and len(steps) == len(set(steps))  # at most one sample a step
 
 
+@pytest.mark.timeout(120)
+def test_experiments_open_as_model_training_and_the_log_gives_the_runs_address(tmp_path, caplog):
+    from mlflow import MlflowClient
+
+    caplog.set_level(logging.INFO, logger="ntil_ds.tracking")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    client.create_experiment("chosen-in-the-ui", tags={"mlflow.experimentKind": "genai_development"})
+    client.create_experiment("made-without-a-kind")
+    addresses = {}
+    for name in ("new", "made-without-a-kind", "chosen-in-the-ui"):
+        tracker = build_tracker(
+            TrackingConfig(uri=uri, experiment=name), is_main=True, output_dir=tmp_path / name
+        )
+        tracker.finish()
+        experiment_id = client.get_run(tracker.run_id).info.experiment_id
+        addresses[name] = (
+            f"http://127.0.0.1:5000/#/experiments/{experiment_id}/runs/{tracker.run_id}/model-metrics"
+            "?workflowType=machine_learning"  # `mlflow ui`'s address, on the model-training view
+        )
+    kinds = {
+        name: client.get_experiment_by_name(name).tags.get("mlflow.experimentKind") for name in addresses
+    }
+    assert kinds == {
+        "new": "custom_model_development",
+        "made-without-a-kind": "custom_model_development",
+        "chosen-in-the-ui": "genai_development",  # a kind already set is kept
+    }
+    messages = [r.getMessage() for r in caplog.records]
+    for address in addresses.values():  # once when the run opens, once when it ends
+        assert len([m for m in messages if address in m]) == 2, messages
+
+
 def test_required_store_that_is_unreachable_fails_at_start(tmp_path):
     cfg = TrackingConfig(uri=closed_port_uri(), required=True)
     with pytest.raises(TrackingError, match=r"tracking\.required is true.*tracking\.required=false"):
