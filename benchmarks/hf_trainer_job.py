@@ -38,6 +38,7 @@ def main() -> None:
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from ntil_ds.config import gradient_accumulation_steps
+    from ntil_ds.constants import IGNORE_INDEX
     from ntil_ds.data import Collator, ConversationDataset, load_processor
     from ntil_ds.ds_config import resolve_run
     from ntil_ds.engine import init_distributed, peak_memory_mib
@@ -82,6 +83,14 @@ def main() -> None:
     )
     collator = Collator(processor, fake_image=cfg.data.fake_image)
 
+    def with_hf_labels(samples):
+        # HF models take unaligned labels= and shift them themselves: undo the data's alignment. The
+        # first position, never a target, is ignored; HF's loss is then exactly the trainer's.
+        batch = collator(samples)
+        targets = batch.pop("targets")
+        batch["labels"] = torch.nn.functional.pad(targets[:, :-1], (1, 0), value=IGNORE_INDEX)
+        return batch
+
     class CountingTrainer(Trainer):
         """Counts the input tokens each optimizer step consumes on this rank."""
 
@@ -119,7 +128,7 @@ def main() -> None:
         model=loaded.model,
         args=training_args,
         train_dataset=dataset,
-        data_collator=collator,
+        data_collator=with_hf_labels,
         callbacks=[StepTimer()],
     )
     result = trainer.train()

@@ -4,7 +4,7 @@
         --config configs/train/tiny_qwen2vl_clock.yaml [key=value ...]
 
 Builds the real :class:`ntil_ds.trainer.Trainer` from the recipe (what launch/train.py does), then
-takes the same micro-batches through two optimizer steps of ``Trainer._train_step``: one with the loss
+takes the same micro-batches through two optimizer steps of ``Trainer.train_step``: one with the loss
 ``loss.name=ce`` builds, one with ``loss.name=ntil``'s, the order alternating from step to step. Both
 variants thus run on the same data, weights of the same size and, above all, the same machine load at
 the same moment: on a shared machine, jobs run one after another see load differences far larger
@@ -33,7 +33,8 @@ def main() -> None:
     from ntil_ds.data import tokenizer_of
     from ntil_ds.ds_config import resolve_run
     from ntil_ds.engine import init_distributed
-    from ntil_ds.trainer import Trainer, build_loss
+    from ntil_ds.loss.build import build_loss
+    from ntil_ds.trainer import Trainer
 
     cfg, ds_config, dist_info = resolve_run(args.config, args.overrides)
     init_distributed()
@@ -44,14 +45,14 @@ def main() -> None:
         for name in ("ce", "ntil")
     }
     trainer.engine.train()
-    steps = trainer._step_batches()  # packed or padded as the recipe says, prepared by its workers
+    steps = trainer.step_batches()  # packed or padded as the recipe says, prepared by its workers
     records = []
     for step in range(1, args.steps + 1):
         micro_batches = next(steps)
         order = ("ce", "ntil") if step % 2 else ("ntil", "ce")
         for name in order:
-            trainer.loss_fn = losses[name]
-            metrics = trainer._train_step(micro_batches)
+            trainer.objective.loss_fn = losses[name]
+            metrics = trainer.train_step(micro_batches)
             records.append(
                 {
                     "variant": name,

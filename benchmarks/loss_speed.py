@@ -45,53 +45,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from benchmarks.loss_cases import DIGIT_IDS, make_batch, ntloss_with_cross_entropy
 from ntil_ds.loss import NTILLoss
 from ntil_ds.loss.reference import reference_ntil_loss
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-DIGIT_IDS = [15 + i for i in range(10)]  # ids of "0".."9" in the synthetic vocabulary
 QUICK_SHAPES = [(2, 256, 32000)]
 FULL_SHAPES = [(8, 512, 32000), (4, 2048, 151936)]
 NAIVE_LOOP_MAX_ELEMENTS = 200_000_000
 METHODS = ("cross_entropy", "ntil", "naive_loop", "ntloss")
-
-
-def make_batch(batch: int, length: int, vocab: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    labels = torch.randint(100, vocab, (batch, length), generator=generator)
-    for b in range(batch):  # digit runs of 1..6 digits: ~29 % of the positions before masking
-        t = 0
-        while t < length:
-            if torch.rand((), generator=generator) < 0.12:
-                run = int(torch.randint(1, 7, (), generator=generator))
-                digits = torch.randint(0, 10, (run,), generator=generator)
-                labels[b, t : t + run] = torch.tensor(DIGIT_IDS)[digits][: length - t]
-                t += run + 1
-            else:
-                t += 1
-    labels[torch.rand(batch, length, generator=generator) < 0.3] = -100
-    logits = torch.randn(batch, length, vocab, generator=generator)
-    return logits, labels
-
-
-def _ntloss_with_cross_entropy(vocab: int):
-    """ntloss.NTLoss needs a Hugging Face tokenizer: a word-level one with "0".."9" at DIGIT_IDS."""
-    from ntloss import NTLoss
-    from tokenizers import Tokenizer, models
-    from transformers import PreTrainedTokenizerFast
-
-    words = {f"w{i}": i for i in range(vocab)}
-    for digit, token_id in enumerate(DIGIT_IDS):
-        del words[f"w{token_id}"]
-        words[str(digit)] = token_id
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(words, unk_token="w0")))
-    number_token_loss = NTLoss(tokenizer, vocab_size=vocab)
-
-    def loss(logits, labels):
-        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
-        return ce + number_token_loss(logits, labels)
-
-    return loss
 
 
 def _loss_function(method: str, vocab: int):
@@ -103,7 +65,7 @@ def _loss_function(method: str, vocab: int):
     if method == "naive_loop":
         return lambda logits, labels: reference_ntil_loss(logits, labels, DIGIT_IDS)["loss"]
     if method == "ntloss":
-        return _ntloss_with_cross_entropy(vocab)
+        return ntloss_with_cross_entropy(vocab)
     raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
 
 

@@ -31,31 +31,12 @@ import time
 import torch
 import torch.nn.functional as F
 
+from benchmarks.loss_cases import DIGIT_IDS, make_batch_cuda, ntloss_with_cross_entropy
 from ntil_ds.loss import NTILLoss
 
-DIGIT_IDS = [15 + i for i in range(10)]
 CUDA_SHAPES = [(8, 512, 32000), (4, 2048, 151936), (8, 4096, 151936)]
 CUDA_METHODS = ("cross_entropy", "ntil", "ntil_compiled", "ntil_torch", "liger", "ntloss")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
-
-
-def make_batch_cuda(batch: int, length: int, vocab: int, dtype: torch.dtype, seed: int = 0, device="cuda"):
-    """The CPU benchmark's label mix (digit runs of 1-6 digits ~29 %, 30 % ignored), drawn on the GPU."""
-    generator = torch.Generator(device=device).manual_seed(seed)
-    labels = torch.randint(100, vocab, (batch, length), device=device, generator=generator)
-    # A run of 1-6 digits starts at 9 % of the positions: ~28 % digits (overlapping runs merge).
-    starts = torch.rand(batch, length, device=device, generator=generator) < 0.09
-    lengths = torch.randint(1, 7, (batch, length), device=device, generator=generator)
-    covered = torch.zeros(batch, length, dtype=torch.bool, device=device)
-    for offset in range(6):
-        shifted = torch.zeros_like(covered)
-        shifted[:, offset:] = (starts & (lengths > offset))[:, : length - offset]
-        covered |= shifted
-    digits = torch.tensor(DIGIT_IDS, device=device)[torch.randint(0, 10, (batch, length), device=device)]
-    labels = torch.where(covered, digits, labels)
-    labels[torch.rand(batch, length, device=device, generator=generator) < 0.3] = -100
-    logits = torch.randn(batch, length, vocab, device=device, generator=generator).to(dtype)
-    return logits, labels
 
 
 def _hf_cross_entropy(logits, labels):
@@ -88,9 +69,7 @@ def _loss_functions(methods: list[str], vocab: int) -> dict:
             functions[method] = lambda x, y, _f=liger: _f(x.view(-1, x.shape[-1]), y.view(-1))
         elif method == "ntloss":
             try:
-                from benchmarks.loss_speed import _ntloss_with_cross_entropy
-
-                ntloss = _ntloss_with_cross_entropy(vocab)
+                ntloss = ntloss_with_cross_entropy(vocab)
             except Exception as error:
                 functions[method] = f"unavailable: {type(error).__name__}: {error}"
                 continue
@@ -172,7 +151,7 @@ def run(shapes, dtypes: list[str], methods: list[str], repeats: int) -> None:
 
     started = time.time()
     device = torch.cuda.get_device_name()
-    kernel = vocab_stats._import_kernel()
+    kernel = vocab_stats.kernel_module()
     triton_version = getattr(sys.modules.get("triton"), "__version__", "not installed")
     print(
         f"{device}, torch {torch.__version__}, triton {triton_version} "

@@ -58,8 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     from ntil_ds.checkpoint import CheckpointWriteError
     from ntil_ds.data import DataError
     from ntil_ds.engine import init_distributed
+    from ntil_ds.nonfinite import NonFiniteLossError
     from ntil_ds.tracking import default_tags
-    from ntil_ds.trainer import NonFiniteLossError, Trainer
+    from ntil_ds.trainer import Trainer
 
     init_distributed()
     watcher = PreemptionWatcher(flag_file=os.environ.get("NTIL_PREEMPT_FLAG"))

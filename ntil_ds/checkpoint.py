@@ -1,4 +1,4 @@
-"""Checkpoints a job can resume from, and the Hugging Face folder people load afterwards.
+"""Checkpoints a job can resume from (the Hugging Face folder people load afterwards: ntil_ds/export.py).
 
 Layout under ``<output_dir>/checkpoints/step_00000030/``:
 
@@ -30,12 +30,10 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from ntil_ds.config import Config, ConfigError, flatten, load_config, save_config
-from ntil_ds.dist import DistInfo
+from ntil_ds.dist import DistInfo, all_gather_objects, barrier, broadcast_from_main
 from ntil_ds.engine import TrainingEngine
-from ntil_ds.model.lora import is_lora_model, save_lora_export
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +62,7 @@ RESUMABLE_CHANGES = (
     "loss.kernel",  # the same loss through the Triton kernel or the torch tiles
     "loss.number_stage",  # the same number stage, compiled or eager
     "tracking.",
+    "eval.",  # what is evaluated and how often; not what a step computes
 )
 
 
@@ -156,18 +155,17 @@ def agree_on_resume_checkpoint(resume: str, output_dir: str | Path, dist_info: D
 
     A ConfigError on rank 0 (a bad resume= folder) is raised on every rank.
     """
-    choice: list[Any] = [None]
+    choice: str | ConfigError | None = None
     if dist_info.is_main:
         try:
             found = find_resume_checkpoint(resume, output_dir)
-            choice = [str(found) if found is not None else None]
+            choice = str(found) if found is not None else None
         except ConfigError as e:
-            choice = [e]
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(choice, src=0)
-    if isinstance(choice[0], ConfigError):
-        raise choice[0]
-    return Path(choice[0]) if choice[0] is not None else None
+            choice = e
+    choice = broadcast_from_main(choice)
+    if isinstance(choice, ConfigError):
+        raise choice
+    return Path(choice) if choice is not None else None
 
 
 def check_resume_config(checkpoint: Path, cfg: Config) -> None:
@@ -236,7 +234,7 @@ def save_checkpoint(
     if dist_info.is_main and path.exists():
         # A leftover of a job that died while writing this very step: start it over.
         shutil.rmtree(path)
-    _barrier()
+    barrier()
     try:
         engine.save_checkpoint(
             root, tag, client_state={"trainer_state": asdict(state)}, with_frozen=saves_frozen_weights(cfg)
@@ -261,7 +259,7 @@ def save_checkpoint(
     # Every rank's files must be on disk before the folder is called complete. Each rank reports the
     # sizes it sees (a rank sees its own files exactly, even where a network file system shows others'
     # late); files only grow while written, so the manifest takes the largest size seen.
-    listings = _all_gather_objects(_file_sizes(path))
+    listings = all_gather_objects(_file_sizes(path))
     if dist_info.is_main:
         files: dict[str, int] = {}
         for listing in listings:
@@ -272,7 +270,7 @@ def save_checkpoint(
         for old in complete_checkpoints(cfg.output_dir)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
         log.info("checkpoint %s saved", path)
-    _barrier()
+    barrier()
     return path
 
 
@@ -290,48 +288,31 @@ def load_checkpoint(engine: TrainingEngine, path: str | Path, dist_info: DistInf
     return state
 
 
-def export_hf_folder(engine: TrainingEngine, processor: Any, out_dir: str | Path, is_main: bool) -> Path:
-    """COLLECTIVE: a Hugging Face folder (safetensors weights + config + processor) that loads with plain
-    ``from_pretrained``, no DeepSpeed needed. Weights are gathered from every rank's ZeRO partition."""
-    out_dir = Path(out_dir)
-    state_dict = engine.consolidated_state_dict()  # every rank must call it; rank 0 gets the weights
-    if is_main:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        model = engine.module
-        # transformers 5.x records, at from_pretrained, how checkpoint names were renamed and reverts that
-        # on save. After a ZeRO-3 (zero.Init) load the record makes Qwen2-VL save "model.model.layers.*"
-        # instead of the hub's "model.layers.*" (transformers reloads both; other tools do not). Without
-        # the record, save_pretrained uses the model family's default mapping: the hub's names.
-        recorded = model.__dict__.pop("_weight_conversions", None)
-        try:
-            if is_lora_model(model):  # the adapter (+ merged/ on request): ntil_ds/model/lora.py
-                save_lora_export(model, state_dict, out_dir)
-            else:
-                model.save_pretrained(out_dir, state_dict=state_dict, safe_serialization=True)
-        finally:
-            if recorded is not None:
-                model._weight_conversions = recorded
-        processor.save_pretrained(out_dir)
-        log.info("exported a Hugging Face folder to %s", out_dir)
-    _barrier()
-    return out_dir
+class Checkpointer:
+    """When the loop saves: every ``train.save_every`` steps, and at the end (or on preemption) unless the
+    last step was just saved or loaded."""
+
+    def __init__(self, engine: TrainingEngine, cfg: Config, dist_info: DistInfo, *, loaded_step: int | None):
+        self.engine, self.cfg, self.dist = engine, cfg, dist_info
+        self.saved_at = loaded_step if loaded_step is not None else -1  # no need to save what was loaded
+
+    def maybe_save(self, state: TrainerState) -> None:
+        """COLLECTIVE: save if the recipe's cadence asks for it after this step."""
+        every = self.cfg.train.save_every
+        if every and state.step % every == 0:
+            self.save(state)
+
+    def save_final(self, state: TrainerState) -> None:
+        """COLLECTIVE: save unless this very step is saved already (resume continues exactly here)."""
+        if self.saved_at != state.step:
+            self.save(state)
+
+    def save(self, state: TrainerState) -> None:
+        save_checkpoint(self.engine, self.cfg, state, self.dist, self.cfg.train.keep_last)
+        self.saved_at = state.step
 
 
 # ----------------------------------------------------------------------------------------------------
-
-
-def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-
-
-def _all_gather_objects(obj: Any) -> list[Any]:
-    """Every rank's ``obj`` (a collective, hence also a barrier); ``[obj]`` without a process group."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return [obj]
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, obj)
-    return gathered
 
 
 def _file_sizes(folder: Path) -> dict[str, int]:

@@ -1,5 +1,16 @@
-"""Who am I in the job: the only module that reads RANK / LOCAL_RANK / WORLD_SIZE; and how a rank's
-process ends (:func:`exit_process`).
+"""Who am I in the job, how the ranks talk, and how a rank's process ends.
+
+- :class:`DistInfo`: the only reader of RANK / LOCAL_RANK / WORLD_SIZE.
+- The collectives the project uses, each named for what it does and marked COLLECTIVE (every rank of
+  the process group must call it, in the same order): :func:`barrier`, :func:`all_gather_objects`,
+  :func:`broadcast_from_main`, :func:`all_reduce_sums` (device values: a dict of named sums in one
+  all-reduce, never a tensor read back by position), :func:`all_reduce_host_sums` and :func:`any_rank`
+  (values the host knows already, reduced on a CPU group: they never wait for the device),
+  :func:`leave_process_group`. Without an initialized process group each answers for this process
+  alone, so one code path serves 1 and N processes.
+- :func:`read_to_host`: the one way device values reach the host (a sync point, named so it can be
+  counted).
+- :func:`exit_process`: how a rank's process ends.
 
 Layout: ranks are grouped into tensor-parallel groups of ``tp_size`` consecutive ranks (the layout
 DeepSpeed AutoTP builds; :func:`check_parallel_layout` compares it with DeepSpeed's own groups once the
@@ -15,7 +26,10 @@ import socket
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import Any, NoReturn
+
+import torch
+import torch.distributed as dist
 
 
 @dataclass(frozen=True)
@@ -85,14 +99,19 @@ def check_parallel_layout(info: DistInfo, tp_group: Sequence[int], dp_group: Seq
         )
 
 
+def free_port() -> int:
+    """A TCP port free on this machine now (for a rendezvous of processes started here)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def launcher_env_defaults(environ: Mapping[str, str]) -> dict[str, str]:
     """The variables a launcher sets, for a process started without one (``python launch/train.py``,
     as when debugging): a job of one process on this machine. Empty when a launcher set them."""
     if "RANK" in environ or "WORLD_SIZE" in environ:
         return {}
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     return {
         "RANK": "0",
         "LOCAL_RANK": "0",
@@ -101,6 +120,125 @@ def launcher_env_defaults(environ: Mapping[str, str]) -> dict[str, str]:
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port),
     }
+
+
+# ----------------------------------------------------------------------------------------------------
+# Collectives
+
+
+def _grouped() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+_host_group: list[Any] = []  # [the group] once made
+
+
+def make_host_group() -> None:
+    """COLLECTIVE, once, right after the process group starts (``engine.init_distributed``): the group
+    for values the host already knows (counts, flags). With NCCL that is a gloo group of the same ranks,
+    so reducing a host value never waits for the device; with gloo it is the default group."""
+    if not _grouped() or _host_group:
+        return
+    _host_group.append(None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo"))
+
+
+def _host_group_or_default() -> Any:
+    return _host_group[0] if _host_group else None
+
+
+def barrier() -> None:
+    """COLLECTIVE: return when every rank has arrived."""
+    if _grouped():
+        dist.barrier()
+
+
+def all_gather_objects(obj: Any, group: Any = None) -> list[Any]:
+    """COLLECTIVE over ``group`` (default: all ranks; hence also a barrier): every rank's picklable
+    ``obj``, in rank order."""
+    if not _grouped():
+        return [obj]
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, obj, group=group)
+    return gathered
+
+
+def all_gather_tensors(tensor: torch.Tensor, group: Any) -> list[torch.Tensor]:
+    """COLLECTIVE over ``group``: every rank's ``tensor`` (same shape on every rank), in rank order."""
+    pieces = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(pieces, tensor.contiguous(), group=group)
+    return pieces
+
+
+def broadcast_from_main(obj: Any) -> Any:
+    """COLLECTIVE: rank 0's picklable ``obj`` on every rank (what other ranks pass is ignored)."""
+    if not _grouped() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def all_reduce_sums(
+    values: Mapping[str, torch.Tensor | float], device: torch.device
+) -> dict[str, torch.Tensor]:
+    """COLLECTIVE: the sum over all ranks of each named value, in ONE all-reduce.
+
+    Every rank must pass the same names with the same shapes. The values are float64 on ``device``
+    (float64: sums of token counts and losses stay exact far beyond what a step holds) and are NOT read
+    to the host: reading them is a sync point the caller chooses. Returns a dict with the same keys,
+    each value its own shape (a 0-dim tensor for a scalar).
+    """
+    names = sorted(values)  # every rank concatenates in the same order, whatever its dict's order
+    parts = [
+        torch.as_tensor(values[name], dtype=torch.float64).to(device, non_blocking=True) for name in names
+    ]
+    flat = torch.cat([part.reshape(-1) for part in parts]) if parts else torch.zeros(0, dtype=torch.float64)
+    if _grouped():
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    out, start = {}, 0
+    for name, part in zip(names, parts, strict=True):
+        out[name] = flat[start : start + part.numel()].view(part.shape)
+        start += part.numel()
+    return out
+
+
+def read_to_host(values: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """Named device values on the host, in ONE device-to-host copy: a sync point (the CPU waits for
+    every kernel queued so far). A 0-dim value becomes a float, any other a list of floats."""
+    names = sorted(values)
+    flat = torch.cat([values[name].detach().reshape(-1).double() for name in names]).cpu().tolist()
+    out, start = {}, 0
+    for name in names:
+        size = values[name].numel()
+        out[name] = flat[start] if values[name].dim() == 0 else flat[start : start + size]
+        start += size
+    return out
+
+
+def all_reduce_host_sums(values: Mapping[str, float]) -> dict[str, float]:
+    """COLLECTIVE: the sum over all ranks of each named host value (counts, flags), in one all-reduce on
+    the host group (:func:`make_host_group`): no device is involved, so nothing waits for one."""
+    names = sorted(values)
+    flat = torch.tensor([float(values[name]) for name in names], dtype=torch.float64)
+    if _grouped():
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=_host_group_or_default())
+    return dict(zip(names, flat.tolist(), strict=True))
+
+
+def any_rank(flag: bool) -> bool:
+    """COLLECTIVE: True on every rank when ``flag`` is True on any rank (on the host group)."""
+    return all_reduce_host_sums({"flag": 1.0 if flag else 0.0})["flag"] > 0
+
+
+def leave_process_group() -> None:
+    """COLLECTIVE, at the end of a job: every rank waits for the others, then leaves the process group.
+
+    After it no collective of one rank can still be in flight while another is gone, and ranks finish on
+    their own (rank 0 delivering tracking records) with no group held open.
+    """
+    if _grouped():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def exit_process(code: int) -> NoReturn:

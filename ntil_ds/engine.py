@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 import os
 import resource
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,7 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.utils import groups as deepspeed_groups
 
 from ntil_ds.config import Config, ConfigError
-from ntil_ds.dist import DistInfo, check_parallel_layout, launcher_env_defaults
+from ntil_ds.dist import DistInfo, any_rank, check_parallel_layout, launcher_env_defaults, make_host_group
 
 
 def lr_ratio(step: int, *, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
@@ -48,17 +47,7 @@ def init_distributed() -> None:
     # Without torchrun/deepspeed (python launch/train.py) DeepSpeed would try MPI discovery (mpi4py).
     os.environ.update(launcher_env_defaults(os.environ))
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
-
-
-def leave_process_group() -> None:
-    """COLLECTIVE, at the end of a job: every rank waits for the others, then leaves the process group.
-
-    After it no collective of one rank can still be in flight while another is gone, and ranks finish on
-    their own (rank 0 delivering tracking records) with no group held open.
-    """
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    make_host_group()  # every rank, at the same point: counts and flags are reduced without the device
 
 
 def device_for(local_rank: int) -> torch.device:
@@ -148,26 +137,28 @@ class TrainingEngine:
         its configured gradient_accumulation_steps)."""
         self.engine.set_gradient_accumulation_boundary(is_boundary)
 
-    def gradients_are_finite(self) -> bool:
-        """COLLECTIVE (every rank): are all gradients of the step finite? Call after the accumulation
-        boundary's backward, before :meth:`step`.
+    @property
+    def refuses_non_finite_steps(self) -> bool:
+        """Whether DeepSpeed itself skips an optimizer step whose gradients are not finite (its ZeRO and
+        fp16 optimizers check the gradient norm in ``step()``, every rank alike): then
+        :meth:`step_applied` tells the trainer, with no extra collective or host sync."""
+        return hasattr(self.engine.optimizer, "overflow")
 
-        ZeRO optimizers check their own gradient partitions (over the data-parallel group); a MAX over
-        the world adds the tensor-parallel ranks, whose partitions differ.
-        """
-        optimizer = self.engine.optimizer
-        if hasattr(optimizer, "has_overflow"):  # ZeRO 1-3: gradients live in the optimizer's partitions
-            local = bool(optimizer.has_overflow(partition_gradients=True))
-        else:
-            local = any(
-                not bool(torch.isfinite(p.grad).all())
-                for p in self.engine.module.parameters()
-                if p.grad is not None
-            )
-        flag = torch.tensor([float(local)], device=self.engine.device)
-        if dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return flag.item() == 0.0
+    def step_applied(self) -> bool:
+        """After the boundary's :meth:`step`: whether it changed the weights (False: DeepSpeed found
+        non-finite gradients and skipped it; the weights are those of the step before)."""
+        return bool(self.engine.was_step_applied())
+
+    def gradients_are_finite(self) -> bool:
+        """COLLECTIVE (every rank), a host sync: are all gradients of the step finite? For an optimizer
+        that does not check them itself (:attr:`refuses_non_finite_steps` False); call after the
+        accumulation boundary's backward, before :meth:`step`."""
+        local = any(
+            not bool(torch.isfinite(p.grad).all())
+            for p in self.engine.module.parameters()
+            if p.grad is not None
+        )
+        return not any_rank(local)
 
     def train(self) -> None:
         self.engine.train()
@@ -194,19 +185,16 @@ class TrainingEngine:
         """The ranks ZeRO averages gradients over (world size / tensor-parallel size)."""
         return self.engine.dp_world_size
 
-    @property
-    def global_steps(self) -> int:
-        return self.engine.global_steps
-
     def lr(self) -> float:
         return float(self.engine.get_lr()[0])
 
-    def grad_norm(self) -> float:
-        """Norm of the gradients of the last optimizer step, before clipping (NaN if unknown)."""
+    def grad_norm(self) -> torch.Tensor:
+        """Norm of the gradients of the last optimizer step, before clipping (NaN if unknown), as a 0-dim
+        tensor where DeepSpeed left it: reading it is the caller's choice of sync point."""
         norm = self.engine.get_global_grad_norm()
-        if norm is None:
-            return float("nan")
-        return float(norm.item() if isinstance(norm, torch.Tensor) else norm)
+        if isinstance(norm, torch.Tensor):
+            return norm.detach().reshape(())
+        return torch.tensor(float("nan") if norm is None else float(norm), dtype=torch.float64)
 
     # -- checkpoints and export -------------------------------------------------------------------------
 
@@ -245,10 +233,6 @@ class TrainingEngine:
         if self.engine.zero_optimization_partition_weights():  # ZeRO-3: gather every rank's slice
             return self.engine._zero3_consolidated_16bit_state_dict()
         return self.engine.module.state_dict()  # ZeRO 0-2 keep whole weights on every rank
-
-    def gathered(self, params: Iterable[torch.nn.Parameter]) -> Any:
-        """Context manager: the full values of ZeRO-3 partitioned params on every rank (read-only)."""
-        return deepspeed.zero.GatheredParameters(list(params), modifier_rank=None)
 
 
 def _load_weights_but_frozen_may_be_missing(src: dict[str, torch.Tensor], dst: torch.nn.Module) -> None:

@@ -20,8 +20,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from types import FrameType
 
-import torch
-import torch.distributed as dist
+from ntil_ds.dist import any_rank
 
 # launch/train.py exits with this code after a preemption checkpoint (0 when training completed).
 # slurm/train.sh requeues the job on exactly this code; any other non-zero code is a failure.
@@ -70,23 +69,11 @@ class PreemptionWatcher:
         """
         if self._agreed:
             return True
-        local = self.reason is not None
-        if dist.is_available() and dist.is_initialized():
-            flag = torch.tensor([1.0 if local else 0.0], device=_collective_device())
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            local = bool(flag.item() > 0)
-        self._agreed = local
-        return local
+        self._agreed = any_rank(self.reason is not None)
+        return self._agreed
 
     def close(self) -> None:
         """Put back the signal handlers that were installed before this watcher."""
         for sig, handler in self._previous_handlers.items():
             signal.signal(sig, handler)
         self._previous_handlers = {}
-
-
-def _collective_device() -> torch.device:
-    # NCCL reduces only CUDA tensors; gloo (and the CPU side of a mixed "cpu:gloo,cuda:nccl") takes CPU.
-    if "nccl" in str(dist.get_backend()) and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

@@ -1,81 +1,71 @@
 """The training loop: the one module that knows the order of things.
 
-Read :meth:`Trainer.fit` top to bottom: it is the whole job. :meth:`Trainer._train_step` is one
-optimizer step and holds the loss-normalization contract.
+Read :meth:`Trainer.fit` top to bottom: it is the whole job. :meth:`Trainer.train_step` is one optimizer
+step and holds the loss-normalization contract. Everything else is a call into the room that owns it:
+the loss (``loss/build.py``), the forward and loss of a micro-batch (``objective.py``), the step's
+micro-batches (``data/steps.py``), collectives (``dist.py``), the non-finite checks (``nonfinite.py``),
+checkpoint cadence (``checkpoint.Checkpointer``), the step log (``tracking/step_log.py``), evaluation
+(``evaluation/``) and the Hugging Face export (``export.py``).
 
-Files written to ``cfg.output_dir`` (rank 0):
-
-- ``config.yaml`` (the resolved recipe) and ``deepspeed.json`` (the merged DeepSpeed config);
-- ``metrics.jsonl``: one JSON object per line, ``{"split": "train", "step": 3, "loss": ..., "ce": ...,
-  "ntil": ..., "emd": ..., "rel": ..., "mag": ..., "lr": ..., "grad_norm": ..., "tokens_per_s": ...}``
-  and ``{"split": "eval", "step": ..., "loss": ..., "token_acc": ..., "digit_acc": ...}``. After a resume
-  the steps past the checkpoint appear again: the last line of a step is the one that counts;
-- ``checkpoints/step_XXXXXXXX/`` (see checkpoint.py) and ``export/`` (a Hugging Face folder).
+Files written to ``cfg.output_dir`` (rank 0): ``config.yaml`` (the resolved recipe) and ``deepspeed.json``
+(the merged DeepSpeed config); ``metrics.jsonl`` (see tracking/step_log.py); ``checkpoints/step_XXXXXXXX/``
+(see checkpoint.py) and ``export/`` (a Hugging Face folder).
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import random
 import time
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 import torch
-import torch.distributed as dist
-from tqdm import tqdm
 
 from ntil_ds.checkpoint import (
+    Checkpointer,
     TrainerState,
     agree_on_resume_checkpoint,
     check_resume_config,
-    export_hf_folder,
     load_checkpoint,
-    save_checkpoint,
 )
-from ntil_ds.config import Config, ConfigError, flatten, gradient_accumulation_steps, save_config
+from ntil_ds.config import Config, flatten, gradient_accumulation_steps, save_config
 from ntil_ds.data import (
-    IGNORE_INDEX,
     Collator,
     ConversationDataset,
     ResumableDistributedSampler,
     load_processor,
     tokenizer_of,
 )
-from ntil_ds.data.packing import PACKING_KEYS, PackedCollator
+from ntil_ds.data.batch import MicroBatch
+from ntil_ds.data.packing import PackedCollator
 from ntil_ds.data.steps import StepBatches, step_loader
-from ntil_ds.dist import DistInfo
+from ntil_ds.dist import DistInfo, all_reduce_host_sums, all_reduce_sums, leave_process_group, read_to_host
 from ntil_ds.ds_config import write_deepspeed_config
-from ntil_ds.engine import TrainingEngine, device_for, leave_process_group, peak_memory_mib
-from ntil_ds.loss import (
-    NTILLoss,
-    NTILOutput,
-    digit_token_ids_from_tokenizer,
-    number_sign_and_point_ids_from_tokenizer,
-)
-from ntil_ds.loss.ntl import NTLLoss
-from ntil_ds.loss.numbers import analyse_numbers
+from ntil_ds.engine import TrainingEngine, device_for, peak_memory_mib
+from ntil_ds.evaluation.numeric import NumericEval
+from ntil_ds.evaluation.teacher_forced import TeacherForcedEval
+from ntil_ds.export import export_hf_folder
+from ntil_ds.loss import NTILOutput, number_token_ids
+from ntil_ds.loss.build import build_loss, check_loss_supports
 from ntil_ds.model import load_model
 from ntil_ds.model.packing import rope_fn_for
-from ntil_ds.model.tensor_parallel import VocabShard, find_vocab_shard
+from ntil_ds.model.tensor_parallel import find_vocab_shard
+from ntil_ds.nonfinite import raise_non_finite_gradient, raise_non_finite_loss
+from ntil_ds.objective import Objective, gumbel_generator
 from ntil_ds.preemption import PreemptionWatcher
 from ntil_ds.tracking import Tracker, build_tracker
+from ntil_ds.tracking.step_log import StepLog
 
 log = logging.getLogger(__name__)
 
-METRICS_FILE = "metrics.jsonl"
-DIGIT_PLACES_REPORTED = 6  # eval logs digit_acc_pos0 (units) .. digit_acc_pos5
 EXPORT_DIR = "export"
-
-
-class NonFiniteLossError(RuntimeError):
-    """A NaN/Inf loss or gradient: raised on every rank before the optimizer step, naming step, rank and
-    batch."""
+# The loss's parts summed over a step's micro-batches (loss_sum, ce_sum: sums over targets; the rest are
+# per-micro-batch means, reported as their mean over micro-batches and ranks).
+_STEP_PARTS = ("loss_sum", "ce_sum", "ntil", "emd", "rel", "mag")
 
 
 @dataclass
@@ -83,66 +73,6 @@ class FitResult:
     status: Literal["completed", "preempted"]
     step: int  # optimizer steps completed
     export_dir: Path | None = None
-
-
-@dataclass
-class MicroBatch:
-    """One collated micro-batch and where it came from (for error messages)."""
-
-    sample_ids: list[int]  # row indices in data.train_file
-    tensors: dict[str, torch.Tensor]  # collator output, including labels
-
-
-def build_loss(cfg: Config, tokenizer: Any) -> NTILLoss | NTLLoss:
-    """NTILLoss from ``cfg.loss``: ``ce`` is NTIL with lambda 0 (parts still reported, no gradient);
-    ``emd`` drops the sequence-level terms (the paper's EMD-only baseline); ``ntl`` is that ``ce`` plus
-    the ntloss package's number token loss (:mod:`ntil_ds.loss.ntl`)."""
-    c = cfg.loss
-    if c.name == "ntl":
-        return NTLLoss(
-            build_loss(replace(cfg, loss=replace(c, name="ce")), tokenizer), tokenizer, c.ntl_lambda
-        )
-    point_id = minus_id = None
-    if c.decimal_numbers or c.signed_numbers:
-        minus_id, point_id = number_sign_and_point_ids_from_tokenizer(tokenizer)
-    return NTILLoss(
-        digit_token_ids=digit_token_ids_from_tokenizer(tokenizer),
-        ntil_lambda=0.0 if c.name == "ce" else c.ntil_lambda,
-        digit_alpha=c.digit_alpha,
-        abs_alpha=0.0 if c.name == "emd" else c.abs_alpha,
-        mag_alpha=0.0 if c.name == "emd" else c.mag_alpha,
-        digit_exp=c.digit_exp,
-        gumbel_tau=c.gumbel_tau,
-        gumbel_noise_scale=c.gumbel_noise_scale,
-        ignore_index=IGNORE_INDEX,
-        decimal_numbers=c.decimal_numbers,
-        signed_numbers=c.signed_numbers,
-        decimal_point_id=point_id,
-        minus_sign_id=minus_id,
-        kernel=c.kernel,  # loss.name=ntl gets both through its inner ce loss (the recursion above)
-        number_stage=c.number_stage,
-    )
-
-
-def digit_accuracy_by_place(
-    predicted: torch.Tensor, labels: torch.Tensor, digit_ids: torch.Tensor, num_places: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Teacher-forced digit accuracy by place value: ``(counts, correct)``, each ``[num_places]``, for
-    place 0 (units), 1 (tens), ... Numbers are read from the labels exactly as the loss reads them."""
-    layout = analyse_numbers(labels, digit_ids, ignore_index=IGNORE_INDEX)
-    counted = layout.is_digit & (layout.place >= 0) & (layout.place < num_places)
-    right = counted & (predicted == labels)
-    counts = torch.bincount(layout.place[counted], minlength=num_places)
-    correct = torch.bincount(layout.place[right], minlength=num_places)
-    return counts, correct
-
-
-def shift_labels(labels: torch.Tensor) -> torch.Tensor:
-    """Labels aligned with the logits of a causal LM: position t predicts token t+1.
-
-    We shift the (small) labels instead of slicing the (huge) logits, so no copy of the logits is made.
-    """
-    return torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
 
 
 class Trainer:
@@ -161,9 +91,7 @@ class Trainer:
         preemption: PreemptionWatcher | None = None,
         tracking_tags: Mapping[str, str] | None = None,
     ) -> None:
-        self.cfg = cfg
-        self.dist = dist_info
-        self.preemption = preemption
+        self.cfg, self.dist, self.preemption = cfg, dist_info, preemption
         self.output_dir = Path(cfg.output_dir)
         self.grad_accum = gradient_accumulation_steps(cfg, dist_info.dp_size)
         self.device = device_for(dist_info.local_rank)
@@ -178,57 +106,30 @@ class Trainer:
             write_deepspeed_config(ds_config, self.output_dir / "deepspeed.json")
 
         self.processor = load_processor(cfg.model.processor or cfg.model.name_or_path)
-        self.loss_fn = build_loss(cfg, tokenizer_of(self.processor))
+        loss_fn = build_loss(cfg, tokenizer_of(self.processor))
         # Data before the model: a bad line fails in seconds, not after a 7B model is loaded.
-        self.train_data = ConversationDataset(
-            cfg.data.train_file, self.processor, cfg.data.max_seq_len, on_bad_sample=cfg.data.on_bad_sample
-        )
-        self.eval_data = (
-            ConversationDataset(
-                cfg.data.eval_file, self.processor, cfg.data.max_seq_len, on_bad_sample=cfg.data.on_bad_sample
-            )
-            if cfg.data.eval_file
-            else None
-        )
-        if dist_info.is_main:
-            for data in (self.train_data, self.eval_data):
-                if data is not None:
-                    log.info("data: %s", data.report.summary())
+        self.train_data = self._dataset(cfg.data.train_file)
+        self.eval_data = self._dataset(cfg.data.eval_file) if cfg.data.eval_file else None
         # Same seed on every rank: random init is identical everywhere (ZeRO-3 keeps one slice each).
         _seed_everything(cfg.train.seed)
         # keeps the ZeRO-3 config alive with the model; lora: peft adapters when cfg.lora.enabled
-        self.loaded = load_model(cfg.model, ds_config, self.device, lora=cfg.lora)
+        # (lora.head=number_rows trains the head's rows of the tokens NTIL reads)
+        number_rows = None
+        if cfg.lora.enabled and cfg.lora.head == "number_rows":
+            c = cfg.loss
+            number_rows = number_token_ids(tokenizer_of(self.processor), c.signed_numbers, c.decimal_numbers)
+        self.loaded = load_model(cfg.model, ds_config, self.device, lora=cfg.lora, number_rows=number_rows)
         if dist_info.is_main:
             log.info("attention implementation: %s", self.loaded.attn_implementation)
         self.engine = TrainingEngine(self.loaded.model, cfg, ds_config)
         self.engine.check_layout(dist_info)  # the data sharding and the normalization assume it
         # With AutoTP's vocab-parallel head, this rank's logits are one slice of the vocabulary.
-        self.vocab_shard: VocabShard | None = find_vocab_shard(self.engine.module, dist_info.tp_size)
-        if self.vocab_shard is not None and cfg.loss.name == "ntl":
-            raise ConfigError(
-                "loss.name=ntl cannot run on vocabulary-parallel logits (autotp_size > 1 shards the LM head; "
-                "ntloss needs the full vocabulary): use loss.name=ntil, emd or ce, or train without tensor "
-                "parallelism"
-            )
+        vocab_shard = find_vocab_shard(self.engine.module, dist_info.tp_size)
+        check_loss_supports(cfg, vocab_parallel=vocab_shard is not None)
+        self.objective = Objective(self.engine, loss_fn, vocab_shard, self.device, self.loaded.dtype)
 
         self.collator = Collator(self.processor, fake_image=cfg.data.fake_image)
-        # Sequence packing: training batches pack samples into rows (eval stays padded).
-        self.train_collator: Any = self.collator
-        if cfg.data.max_tokens_per_micro_batch:
-            if cfg.loss.name == "ntl":
-                raise ConfigError(
-                    "loss.name=ntl does not support packing: set data.max_tokens_per_micro_batch=0"
-                )
-            rope_fn = rope_fn_for(self.loaded.model)  # raises for model types packing is not verified on
-            # flash-attention's varlen kernel: one row, no padding. sdpa/eager build a block-diagonal mask,
-            # quadratic in the row length: rows no longer than the longest sample.
-            flash = self.loaded.attn_implementation == "flash_attention_2"
-            self.train_collator = PackedCollator(
-                self.processor,
-                fake_image=cfg.data.fake_image,
-                rope_fn=rope_fn,
-                row_tokens=None if flash else cfg.data.max_seq_len,
-            )
+        self.train_collator = self._train_collator()
         self.sampler = ResumableDistributedSampler(
             len(self.train_data),
             dp_rank=dist_info.dp_rank,
@@ -236,34 +137,22 @@ class Trainer:
             seed=cfg.train.seed,
             shuffle=cfg.data.shuffle,
         )
-
         self.state = TrainerState(step=0)
-        self.resumed = checkpoint is not None
         if checkpoint is not None:
             self.state = load_checkpoint(self.engine, checkpoint, dist_info)
             self.sampler.load_state_dict(self.state.sampler)
-
-        self.tracker: Tracker = build_tracker(
-            cfg.tracking,
-            is_main=dist_info.is_main,
-            output_dir=self.output_dir,
-            run_id=self.state.tracker_run_id,
-            tags=dict(tracking_tags or {}),
+        self.checkpoints = Checkpointer(
+            self.engine, cfg, dist_info, loaded_step=self.state.step if checkpoint is not None else None
         )
-        self.state.tracker_run_id = self.tracker.run_id
-        # The run can be reproduced from its artifacts: the resolved recipe and merged DeepSpeed config.
-        self.tracker.log_artifact(self.output_dir / "config.yaml")
-        self.tracker.log_artifact(self.output_dir / "deepspeed.json")
-        if checkpoint is None:
-            self.tracker.log_params(flatten(cfg))
-            # Nothing is lost silently: skipped samples are counted in the run, not only in the log.
-            self.tracker.log_metrics(
-                {
-                    "data/train_kept": self.train_data.report.kept,
-                    "data/train_skipped": self.train_data.report.num_skipped,
-                },
-                step=0,
-            )
+        self.tracker = self._start_tracking(resumed=checkpoint is not None, tags=tracking_tags)
+        # Evaluation on data.eval_file: teacher-forced accuracies; scores of generated answers when asked
+        self.evaluator = self.numeric_eval = None
+        if self.eval_data is not None:
+            self.evaluator = TeacherForcedEval(cfg, self.eval_data, self.collator, self.objective, dist_info)
+            if cfg.eval.generate_every:
+                self.numeric_eval = NumericEval(
+                    cfg, self.eval_data, self.processor, self.objective, dist_info
+                )
 
     # ------------------------------------------------------------------------------------------------
     # The job
@@ -275,47 +164,38 @@ class Trainer:
         follow) and the tracking run is ended."""
         cfg = self.cfg
         self.engine.train()
-        steps = self._step_batches()
-        progress = tqdm(
-            total=cfg.train.max_steps,
-            initial=self.state.step,
-            desc="train",
-            unit="step",
-            disable=not self.dist.is_main,
-            dynamic_ncols=True,
+        steps = self.step_batches()
+        step_log = StepLog(
+            self.tracker,
+            self.output_dir,
+            max_steps=cfg.train.max_steps,
+            log_every=cfg.train.log_every,
+            is_main=self.dist.is_main,
+            first_step=self.state.step,
         )
         status: Literal["completed", "preempted"] = "completed"
-        saved_at = self.state.step if self.resumed else -1  # no need to save what we just loaded
         export_dir = None
         try:
             while self.state.step < cfg.train.max_steps:
-                # A collective at the step boundary: every rank agrees whether to stop now.
+                # A collective at the step boundary (on the host group): every rank agrees whether to stop now.
                 if self.preemption is not None and self.preemption.requested():
                     status = "preempted"
                     break
-                # Look ahead: the whole step's micro-batches, so their token count is known up front.
-                micro_batches = next(steps)
-                metrics = self._train_step(micro_batches)
-                self.state.step += 1
-                # Advanced by what was trained, never by what the loader prefetched: resume stays exact.
-                self.sampler.skip(cfg.train.global_batch_size // self.dist.dp_size)
-                self.state.sampler = self.sampler.state_dict()
-                self._log_train(metrics, progress)
-
-                step = self.state.step
-                if cfg.train.eval_every and step % cfg.train.eval_every == 0:
-                    self._log_eval(self.evaluate())
-                if cfg.train.save_every and step % cfg.train.save_every == 0:
-                    self._save()
-                    saved_at = step
-            progress.close()
-            if saved_at != self.state.step:
-                self._save()  # at the end, or on preemption: resume continues exactly here
+                # Look ahead: the whole step's micro-batches, so their target count is known up front.
+                metrics = self.train_step(next(steps))
+                self._advance_state()
+                step_log.train(self.state.step, metrics)
+                if self.evaluator is not None and self.evaluator.due(self.state.step):
+                    step_log.eval(self.state.step, self.evaluator.run(self.state.step))
+                if self.numeric_eval is not None and self.numeric_eval.due(self.state.step):
+                    step_log.numeric(self.state.step, self.numeric_eval.run(self.state.step))
+                self.checkpoints.maybe_save(self.state)
+            step_log.close()
+            self.checkpoints.save_final(self.state)  # at the end, or on preemption: resume continues here
 
             if status == "completed":
-                evaluated_last_step = cfg.train.eval_every and self.state.step % cfg.train.eval_every == 0
-                if self.eval_data is not None and not evaluated_last_step:
-                    self._log_eval(self.evaluate())
+                if self.evaluator is not None and not self.evaluator.due(self.state.step):
+                    step_log.eval(self.state.step, self.evaluator.run(self.state.step))
                 if cfg.train.export_at_end:
                     export_dir = export_hf_folder(
                         self.engine, self.processor, self.output_dir / EXPORT_DIR, self.dist.is_main
@@ -326,7 +206,7 @@ class Trainer:
             self.tracker.finish("FAILED")
             raise
         finally:
-            progress.close()
+            step_log.close()
         # The ranks' work is done: they leave the process group together, and only then does rank 0
         # deliver its tracking backlog (minutes after a server outage) with no group held open. How the
         # process then ends, and why: ntil_ds.dist.exit_process.
@@ -334,10 +214,15 @@ class Trainer:
         self.tracker.finish("FINISHED" if status == "completed" else "KILLED")
         return FitResult(status=status, step=self.state.step, export_dir=export_dir)
 
+    def evaluate(self) -> dict[str, float]:
+        """COLLECTIVE: teacher-forced metrics on data.eval_file now (see evaluation/teacher_forced.py)."""
+        assert self.evaluator is not None, "no data.eval_file"
+        return self.evaluator.run(self.state.step)
+
     # ------------------------------------------------------------------------------------------------
     # One optimizer step
 
-    def _train_step(self, micro_batches: list[MicroBatch]) -> dict[str, float]:
+    def train_step(self, micro_batches: list[MicroBatch]) -> dict[str, float]:
         """Forward/backward every micro-batch of the step, check the loss, step the optimizer.
 
         The normalization contract. The objective of one optimizer step is
@@ -348,7 +233,7 @@ class Trainer:
         the number of labelled tokens in the whole step (all micro-batches on all DP ranks): every
         labelled token weighs the same, however the batch is split (no mean of per-micro-batch means).
         So each micro-batch contributes ``loss_sum / N``, and N must be known before the first backward:
-        we look ahead at the step's micro-batches and all-reduce their counts once (a sync point).
+        we look ahead at the step's micro-batches and all-reduce their counts once (a collective).
         DeepSpeed would then (a) divide each backward's loss by gradient_accumulation_steps: turned off
         (``TrainingEngine.backward`` passes ``scale_wrt_gas=False``); and (b) average the gradients
         over the DP ranks (ZeRO divides the reduced gradient by dp_size): undone by multiplying by
@@ -356,232 +241,65 @@ class Trainer:
         pins it: one process with the full batch == 2 ranks x 2 micro-batches.
         Tensor-parallel ranks of one group read the same batch and compute the same loss, so counts
         summed over all ranks are divided by tp_size.
+
+        One host sync per step, none per micro-batch (tests/distributed/test_host_syncs.py counts them): the
+        target count is known on the host and reduced on the host group; every device sum stays on the
+        device until the one read after the optimizer step.
         """
         started = time.perf_counter()
-        step = self.state.step  # 0-based index of the optimizer step being taken
-        local_labelled = sum(
-            int((shift_labels(mb.tensors["labels"]) != IGNORE_INDEX).sum()) for mb in micro_batches
-        )
-        global_labelled = self._all_reduce_sum([float(local_labelled)])[0] / self.dist.tp_size
-        scale = self.dist.dp_size / max(global_labelled, 1.0)
+        step, tp = self.state.step, self.dist.tp_size  # step: 0-based index of the step being taken
+        local_count = {"targets": float(sum(mb.num_targets for mb in micro_batches))}  # known on the host
+        labelled = all_reduce_host_sums(local_count)["targets"] / tp  # on the host group: no device wait
+        scale = self.dist.dp_size / max(labelled, 1.0)
         lr = self.engine.lr()  # the rate this step uses (the schedule advances inside the step)
 
-        # Per-rank sums of the step, kept on the device (no host sync per micro-batch): loss_sum, ce_sum,
-        # ntil, emd, rel, mag (the last four are per-micro-batch means, summed here).
-        sums = torch.zeros(6, dtype=torch.float64, device=self.device)
-        micro_loss_sums = []
-        input_tokens = 0
+        sums: dict[str, torch.Tensor] = {}  # this rank's sums of the step, on the device
+        loss_sums = []
         for index, micro_batch in enumerate(micro_batches):
-            # Packing varies the forwards per step: DeepSpeed is told which backward ends it.
-            self.engine.set_accumulation_boundary(index == len(micro_batches) - 1)
-            out = self._loss(micro_batch, generator=self._gumbel_generator(step, index))
+            last = index == len(micro_batches) - 1
+            self.engine.set_accumulation_boundary(last)  # packing varies the forwards per step
+            generator = gumbel_generator(self.cfg.train.seed, step, index, self.dist.dp_rank, self.device)
+            out = self.objective.loss(micro_batch, generator)
             self.engine.backward(out.loss_sum * scale)
-            parts = torch.stack([out.loss_sum, out.ce_sum, out.ntil, out.emd, out.rel, out.mag])
-            sums += parts.detach().double()
-            micro_loss_sums.append(out.loss_sum.detach())
-            input_tokens += int(micro_batch.tensors["attention_mask"].sum())  # a CPU tensor
-            if index < len(micro_batches) - 1:
+            _add_parts(sums, out)
+            loss_sums.append(out.loss_sum.detach())
+            if not last:
                 self.engine.step()  # not a boundary: DeepSpeed only counts the micro-step
+        sums["non_finite_losses"] = (~torch.isfinite(torch.stack(loss_sums))).sum()
+        sums["input_tokens"] = torch.tensor(float(sum(mb.num_input_tokens for mb in micro_batches)))
+        totals = all_reduce_sums(sums, self.device)
+        if not self.engine.refuses_non_finite_steps and not self.engine.gradients_are_finite():
+            raise_non_finite_gradient(step + 1, self.cfg, self.dist, micro_batches)  # it would apply them
+        self.engine.step()  # the boundary: clip, optimizer step, schedule; skipped on non-finite gradients
 
-        # One all_reduce for the log and the NaN check, BEFORE the optimizer step.
-        non_finite = ~torch.isfinite(torch.stack(micro_loss_sums))
-        extra = torch.tensor([input_tokens, 0.0], dtype=torch.float64, device=self.device)
-        extra[1] = non_finite.sum()
-        reduced = self._all_reduce_sum(torch.cat([sums, extra]))
-        if reduced[7] > 0:
-            self._raise_non_finite(micro_batches, micro_loss_sums, non_finite.tolist())
-        # A finite loss can still give a NaN/Inf gradient (an overflow in the backward); in bf16/fp32
-        # DeepSpeed would apply it and every weight would turn NaN. A collective check, before the step.
-        tp = self.dist.tp_size
-        loss = reduced[0] / tp / max(global_labelled, 1.0)
-        if not self.engine.gradients_are_finite():
-            self._raise_non_finite_gradient(micro_batches, loss)
-        self.engine.step()  # the accumulation boundary: clip, optimizer step, schedule
+        # THE host sync of the step: one read of everything the log and the checks need, once the device
+        # has the whole step queued. (DeepSpeed's own overflow check inside step() is its own.)
+        host = read_to_host({**totals, "grad_norm": self.engine.grad_norm()})
+        if host["non_finite_losses"]:  # the same sum on every rank: all raise together
+            bad = [float(s) for s in loss_sums]
+            raise_non_finite_loss(
+                step + 1, self.cfg, self.dist, micro_batches, bad, applied=self.engine.step_applied()
+            )
+        loss = host["loss_sum"] / tp / max(labelled, 1.0)
+        if not self.engine.step_applied():  # a finite loss, yet DeepSpeed found the gradients non-finite
+            raise_non_finite_gradient(step + 1, self.cfg, self.dist, micro_batches, loss)
 
         elapsed = time.perf_counter() - started
         means_over = len(micro_batches) * self.dist.world_size  # TP copies are equal: a mean over DP ranks
         return {
             "loss": loss,
-            "ce": reduced[1] / tp / max(global_labelled, 1.0),
-            "ntil": reduced[2] / means_over,
-            "emd": reduced[3] / means_over,
-            "rel": reduced[4] / means_over,
-            "mag": reduced[5] / means_over,
+            "ce": host["ce_sum"] / tp / max(labelled, 1.0),
+            **{part: host[part] / means_over for part in ("ntil", "emd", "rel", "mag")},
             "lr": lr,
-            "grad_norm": self.engine.grad_norm(),
-            "labelled_tokens": global_labelled,
-            "tokens_per_s": reduced[6] / tp / elapsed,
+            "grad_norm": host["grad_norm"],
+            "labelled_tokens": labelled,
+            "micro_batches": len(micro_batches),  # forwards in the step (packing decides it from the tokens)
+            "tokens_per_s": host["input_tokens"] / tp / elapsed,
             "step_time_s": elapsed,
             "peak_mem_mib": peak_memory_mib(self.device),  # rank 0's; ZeRO-3 ranks are alike
         }
 
-    def _loss(self, micro_batch: MicroBatch, generator: torch.Generator | None) -> NTILOutput:
-        return self._loss_of_logits(self._logits(micro_batch), micro_batch, generator)
-
-    def _logits(self, micro_batch: MicroBatch) -> torch.Tensor:
-        """One forward (under ZeRO-3: one gather of every parameter); this rank's vocabulary slice."""
-        # No labels=: HF would compute its own loss (on full-vocab logits, which may not exist here).
-        return self.engine.forward(**self._model_inputs(micro_batch), use_cache=False).logits
-
-    def _loss_of_logits(
-        self, logits: torch.Tensor, micro_batch: MicroBatch, generator: torch.Generator | None
-    ) -> NTILOutput:
-        labels = micro_batch.tensors["labels"].to(self.device, non_blocking=True)
-        packing = {
-            k: micro_batch.tensors[k].to(self.device) for k in PACKING_KEYS if k in micro_batch.tensors
-        }
-        shard = self.vocab_shard
-        return self.loss_fn(
-            logits,
-            shift_labels(labels),
-            process_group=shard.process_group if shard else None,
-            vocab_start=shard.vocab_start if shard else 0,
-            generator=generator,
-            **packing,  # unpack_index: NTIL's per-sequence terms per packed sample
-        )
-
-    def _model_inputs(self, micro_batch: MicroBatch) -> dict[str, torch.Tensor]:
-        """The batch without labels, on the device (asynchronous from pinned memory); pixels in the model's
-        dtype. A packed batch goes without attention_mask: transformers then separates the samples by
-        their restarting position_ids (ntil_ds/data/packing.py)."""
-        dtype = self.loaded.dtype
-        tensors = micro_batch.tensors
-        skip = {"labels", *PACKING_KEYS, *(("attention_mask",) if "unpack_index" in tensors else ())}
-        return {
-            key: value.to(
-                self.device, dtype=dtype if value.is_floating_point() else value.dtype, non_blocking=True
-            )
-            for key, value in tensors.items()
-            if key not in skip
-        }
-
-    def _gumbel_generator(self, step: int, micro_index: int, *, evaluation: bool = False) -> torch.Generator:
-        """The loss's Gumbel noise: a function of (seed, step, micro-batch, dp_rank) only, so every rank of
-        a tensor-parallel group draws the same noise and a resumed run draws what the first run drew."""
-        purpose = 1 if evaluation else 0
-        seed = np.random.SeedSequence([self.cfg.train.seed, purpose, step, micro_index, self.dist.dp_rank])
-        generator = torch.Generator(device=self.device)
-        generator.manual_seed(int(seed.generate_state(1, dtype=np.uint64)[0] >> 1))
-        return generator
-
-    def _raise_non_finite(
-        self, micro_batches: list[MicroBatch], loss_sums: list[torch.Tensor], bad: list[bool]
-    ) -> None:
-        """Every rank raises the same message, listing every offending micro-batch of every rank."""
-        local_bad = [
-            f"rank {self.dist.rank} (dp rank {self.dist.dp_rank}), micro-batch {index} of the step, "
-            f"samples {micro_batch.sample_ids} of {self.cfg.data.train_file}: loss_sum={float(loss_sum)}"
-            for index, (micro_batch, loss_sum, is_bad) in enumerate(
-                zip(micro_batches, loss_sums, bad, strict=True)
-            )
-            if is_bad
-        ]
-        gathered: list[list[str]] = [local_bad]
-        if dist.is_initialized():
-            gathered = [[] for _ in range(dist.get_world_size())]
-            dist.all_gather_object(gathered, local_bad)
-        where = "\n  ".join(line for lines in gathered for line in lines)
-        step = self.state.step + 1
-        raise NonFiniteLossError(
-            f"non-finite loss at step {step} (of {self.cfg.train.max_steps}); the optimizer did not take "
-            f"this step, the weights are those after step {step - 1}.\n  {where}\n"
-            "Lower optim.lr, check these samples, or use model.dtype=bfloat16 instead of float16."
-        )
-
-    def _raise_non_finite_gradient(self, micro_batches: list[MicroBatch], loss: float) -> None:
-        step = self.state.step + 1
-        samples = [i for micro_batch in micro_batches for i in micro_batch.sample_ids]
-        raise NonFiniteLossError(
-            f"non-finite gradient at step {step} (of {self.cfg.train.max_steps}) with a finite loss "
-            f"({loss:.6g}); the optimizer did not take this step, the weights are those after step "
-            f"{step - 1}. Rank {self.dist.rank}'s samples of the step: {samples} of "
-            f"{self.cfg.data.train_file}.\nLower optim.lr or optim.grad_clip, or use model.dtype=bfloat16 "
-            "instead of float16."
-        )
-
-    # ------------------------------------------------------------------------------------------------
-    # Evaluation: loss and teacher-forced numeric metrics on data.eval_file
-
-    @torch.no_grad()
-    def evaluate(self) -> dict[str, float]:
-        """Eval loss and teacher-forced accuracies: of answer tokens, of digit tokens, of whole answers.
-
-        Every rank runs the same number of forwards (ZeRO-3 gathers parameters collectively): ranks
-        with fewer eval samples run a repeat of one with every label masked.
-        """
-        assert self.eval_data is not None
-        self.engine.eval()
-        n = len(self.eval_data)
-        mine = list(range(self.dist.dp_rank, n, self.dist.dp_size))
-        mbs = self.cfg.train.micro_batch_size
-        num_batches = math.ceil(math.ceil(n / self.dist.dp_size) / mbs)
-        digit_ids = torch.tensor(self.loss_fn.digit_token_ids, device=self.device)
-        # loss_sum, ce_sum, tokens, correct tokens, digits, correct digits, sequences, all-correct sequences
-        sums = torch.zeros(8, dtype=torch.float64)
-        # digits seen and digits right, by place value (units first): the "error by digit position" plot
-        place_counts = torch.zeros(2, DIGIT_PLACES_REPORTED, dtype=torch.float64)
-        for b in range(num_batches):
-            ids = mine[b * mbs : (b + 1) * mbs]
-            batch = self._collate(self.eval_data, ids or mine[:1] or [0])
-            if not ids:
-                batch.tensors["labels"].fill_(IGNORE_INDEX)
-            logits = self._logits(batch)  # one forward serves the loss and the predictions
-            generator = self._gumbel_generator(self.state.step, b, evaluation=True)
-            out = self._loss_of_logits(logits, batch, generator)
-            labels = shift_labels(batch.tensors["labels"]).to(self.device)
-            predicted = self._argmax_over_vocab(logits)
-            labelled = labels != IGNORE_INDEX
-            is_digit = torch.isin(labels, digit_ids)
-            correct = predicted == labels
-            answered = labelled.any(dim=1)  # rows with something to predict (not the masked filler)
-            all_correct = (correct | ~labelled).all(dim=1) & answered
-            sums += torch.tensor(
-                [
-                    float(out.loss_sum),
-                    float(out.ce_sum),
-                    float(labelled.sum()),
-                    float((correct & labelled).sum()),
-                    float(is_digit.sum()),
-                    float((correct & is_digit).sum()),
-                    float(answered.sum()),
-                    float(all_correct.sum()),
-                ],
-                dtype=torch.float64,
-            )
-            counts, right = digit_accuracy_by_place(predicted, labels, digit_ids, DIGIT_PLACES_REPORTED)
-            place_counts += torch.stack([counts, right]).cpu().double()
-        self.engine.train()
-        total = self._all_reduce_sum(sums.tolist() + place_counts.flatten().tolist())
-        seen, right = total[8 : 8 + DIGIT_PLACES_REPORTED], total[8 + DIGIT_PLACES_REPORTED :]
-        by_place = {f"digit_acc_pos{k}": right[k] / seen[k] for k in range(DIGIT_PLACES_REPORTED) if seen[k]}
-        tokens = max(total[2], 1.0)
-        return {
-            "loss": total[0] / tokens,
-            "ce": total[1] / tokens,
-            "token_acc": total[3] / tokens,
-            "digit_acc": total[5] / max(total[4], 1.0),
-            "answer_acc": total[7] / max(total[6], 1.0),  # every answer token right (teacher-forced)
-            **by_place,
-        }
-
-    def _argmax_over_vocab(self, logits: torch.Tensor) -> torch.Tensor:
-        values, index = logits.max(dim=-1)
-        shard = self.vocab_shard
-        if shard is None:
-            return index
-        # Vocab-parallel: each rank knows the best token of its slice; the group picks the best slice.
-        size = dist.get_world_size(shard.process_group)
-        all_values = [torch.empty_like(values) for _ in range(size)]
-        all_index = [torch.empty_like(index) for _ in range(size)]
-        dist.all_gather(all_values, values.contiguous(), group=shard.process_group)
-        dist.all_gather(all_index, (index + shard.vocab_start).contiguous(), group=shard.process_group)
-        best = torch.stack(all_values).argmax(dim=0, keepdim=True)
-        return torch.stack(all_index).gather(0, best).squeeze(0)
-
-    # ------------------------------------------------------------------------------------------------
-    # Data
-
-    def _step_batches(self) -> Iterator[list[MicroBatch]]:
+    def step_batches(self) -> Iterator[list[MicroBatch]]:
         """This rank's micro-batches of each step, forever, from the sampler's current position, prepared by
         data.num_workers processes ahead of training (ntil_ds/data/steps.py; fit advances the sampler)."""
         steps = StepBatches(
@@ -592,56 +310,69 @@ class Trainer:
             micro_batch_size=self.cfg.train.micro_batch_size,
             max_tokens=self.cfg.data.max_tokens_per_micro_batch,
         )
-        for step in step_loader(steps, self.cfg.data.num_workers, pin_memory=self.device.type == "cuda"):
-            yield [MicroBatch(sample_ids=ids, tensors=tensors) for ids, tensors in step]
-
-    def _collate(self, dataset: ConversationDataset, ids: list[int]) -> MicroBatch:
-        return MicroBatch(sample_ids=list(ids), tensors=self.collator([dataset[i] for i in ids]))
+        return step_loader(steps, self.cfg.data.num_workers, pin_memory=self.device.type == "cuda")
 
     # ------------------------------------------------------------------------------------------------
-    # Checkpoints and logs
+    # Building and bookkeeping
 
-    def _save(self) -> None:
+    def _dataset(self, path: str) -> ConversationDataset:
+        data = ConversationDataset(
+            path, self.processor, self.cfg.data.max_seq_len, on_bad_sample=self.cfg.data.on_bad_sample
+        )
+        if self.dist.is_main:
+            log.info("data: %s", data.report.summary())
+        return data
+
+    def _train_collator(self) -> Collator | PackedCollator:
+        """Padded rows, or (data.max_tokens_per_micro_batch > 0) packed rows; evaluation stays padded."""
+        if not self.cfg.data.max_tokens_per_micro_batch:
+            return self.collator
+        rope_fn = rope_fn_for(self.loaded.model)  # raises for model types packing is not verified on
+        # flash-attention's varlen kernel: one row, no padding. sdpa/eager build a block-diagonal mask,
+        # quadratic in the row length: rows no longer than the longest sample.
+        flash = self.loaded.attn_implementation == "flash_attention_2"
+        return PackedCollator(
+            self.processor,
+            fake_image=self.cfg.data.fake_image,
+            rope_fn=rope_fn,
+            row_tokens=None if flash else self.cfg.data.max_seq_len,
+        )
+
+    def _start_tracking(self, *, resumed: bool, tags: Mapping[str, str] | None) -> Tracker:
+        tracker = build_tracker(
+            self.cfg.tracking,
+            is_main=self.dist.is_main,
+            output_dir=self.output_dir,
+            run_id=self.state.tracker_run_id,
+            tags=dict(tags or {}),
+        )
+        self.state.tracker_run_id = tracker.run_id
+        # The run can be reproduced from its artifacts: the resolved recipe and merged DeepSpeed config.
+        tracker.log_artifact(self.output_dir / "config.yaml")
+        tracker.log_artifact(self.output_dir / "deepspeed.json")
+        if not resumed:
+            tracker.log_params(flatten(self.cfg))
+            # Nothing is lost silently: skipped samples are counted in the run, not only in the log.
+            report = self.train_data.report
+            tracker.log_metrics(
+                {"data/train_kept": report.kept, "data/train_skipped": report.num_skipped}, step=0
+            )
+        return tracker
+
+    def _advance_state(self) -> None:
+        """After a step: count it, and record the data position and the tracking run for a checkpoint."""
+        self.state.step += 1
+        # Advanced by what was trained, never by what the loader prefetched: resume stays exact.
+        self.sampler.skip(self.cfg.train.global_batch_size // self.dist.dp_size)
         self.state.sampler = self.sampler.state_dict()
         # A tracking server that was down at start gets the run created later: save the id once known.
         self.state.tracker_run_id = self.tracker.run_id or self.state.tracker_run_id
-        save_checkpoint(self.engine, self.cfg, self.state, self.dist, self.cfg.train.keep_last)
 
-    def _all_reduce_sum(self, values: list[float] | torch.Tensor) -> list[float]:
-        """Sum over all ranks (a sync point); returns host floats."""
-        tensor = torch.as_tensor(values, dtype=torch.float64, device=self.device).clone()
-        if dist.is_initialized():
-            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-        return tensor.tolist()
 
-    def _log_train(self, metrics: dict[str, float], progress: tqdm) -> None:
-        step = self.state.step
-        if not self.dist.is_main:
-            return
-        self._append_metrics({"split": "train", "step": step, **metrics})
-        progress.update(1)
-        progress.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{metrics['lr']:.2e}", refresh=False)
-        if step % self.cfg.train.log_every == 0 or step == self.cfg.train.max_steps:
-            self.tracker.log_metrics({f"train/{k}": v for k, v in metrics.items()}, step=step)
-            progress.write(
-                f"step {step}/{self.cfg.train.max_steps} loss {metrics['loss']:.4f} ce {metrics['ce']:.4f} "
-                f"ntil {metrics['ntil']:.4f} (emd {metrics['emd']:.4f} rel {metrics['rel']:.4f} "
-                f"mag {metrics['mag']:.4f}) lr {metrics['lr']:.3e} grad_norm {metrics['grad_norm']:.3f} "
-                f"tokens/s {metrics['tokens_per_s']:.0f}"
-            )
-
-    def _log_eval(self, metrics: dict[str, float]) -> None:
-        if not self.dist.is_main:
-            return
-        step = self.state.step
-        self._append_metrics({"split": "eval", "step": step, **metrics})
-        self.tracker.log_metrics({f"eval/{k}": v for k, v in metrics.items()}, step=step)
-        log.info("eval at step %d: %s", step, " ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
-        tqdm.write(f"eval step {step}: " + " ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
-
-    def _append_metrics(self, record: dict[str, Any]) -> None:
-        with (self.output_dir / METRICS_FILE).open("a") as f:
-            f.write(json.dumps(record) + "\n")
+def _add_parts(sums: dict[str, torch.Tensor], out: NTILOutput) -> None:
+    for part in _STEP_PARTS:
+        value = getattr(out, part).detach().double()
+        sums[part] = sums[part] + value if part in sums else value
 
 
 def _seed_everything(seed: int) -> None:

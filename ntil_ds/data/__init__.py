@@ -7,12 +7,13 @@ How the parts meet (the trainer does this)::
     collator = Collator(processor, fake_image=True)
     sampler = ResumableDistributedSampler(len(dataset), dp_rank, dp_size, seed=0)
     batch = collator([dataset[i] for i in itertools.islice(sampler, 4)])
-    logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+    logits = model(**{k: v for k, v in batch.items() if k != "targets"}).logits  # targets: aligned
 """
 
+from ntil_ds.constants import IGNORE_INDEX
 from ntil_ds.data.collate import Collator
 from ntil_ds.data.dataset import ConversationDataset, DataReport
-from ntil_ds.data.encoding import IGNORE_INDEX, render
+from ntil_ds.data.encoding import render
 from ntil_ds.data.processor import is_multimodal, load_processor, tokenizer_of
 from ntil_ds.data.prompts import prompt_batch, split_last_answer
 from ntil_ds.data.records import BadSample, Conversation, DataError, read_jsonl

@@ -5,21 +5,21 @@ from __future__ import annotations
 import torch
 from PIL import Image
 
+from ntil_ds.constants import IGNORE_INDEX
 from ntil_ds.data.dataset import PER_TOKEN_KEYS
-from ntil_ds.data.encoding import IGNORE_INDEX
 from ntil_ds.data.processor import is_multimodal, tokenizer_of
 from ntil_ds.data.records import DataError
 
 
 class Collator:
-    """Pad samples from `ConversationDataset` into a batch for `model(**batch_without_labels)`.
+    """Pad samples from `ConversationDataset` into a batch for `model(**batch_without_targets)`.
 
-    Per-token tensors are right-padded (input_ids with the pad token, labels with -100, attention_mask and
+    Per-token tensors are right-padded (input_ids with the pad token, targets with -100, attention_mask and
     the rest with 0); per-image tensors (Qwen-VL's flattened patches and `image_grid_thw`, LLaVA's
     `(N, 3, H, W)` pixels) are concatenated in sample order, matching the placeholder order.
 
     `fake_image=True` (MLLM processors only): a micro-batch without any image gets one tiny blank image
-    appended to its first sample, its placeholder tokens with attention_mask 0 and labels -100. Under
+    appended to its first sample, its placeholder tokens with attention_mask 0 and targets -100. Under
     ZeRO-3 every rank must run the same modules (each forward all-gathers the vision tower's parameters);
     a rank that skipped the vision tower would hang or crash the job. The fake tokens come after all real
     tokens of their row, so causal attention keeps them from changing any real token's output.
@@ -30,7 +30,7 @@ class Collator:
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         if pad_id is None:
             raise DataError("the tokenizer has neither a pad nor an eos token to pad batches with")
-        self.pad_values = {"input_ids": pad_id, "labels": IGNORE_INDEX}
+        self.pad_values = {"input_ids": pad_id, "targets": IGNORE_INDEX}
         self.fake_image = _fake_image_sample(processor) if fake_image and is_multimodal(processor) else None
 
     def __call__(self, samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -41,7 +41,7 @@ class Collator:
             samples[0] = _append(samples[0], self.fake_image)
         length = max(len(s["input_ids"]) for s in samples)
         batch = {}
-        for key in [*PER_TOKEN_KEYS, "labels"]:
+        for key in [*PER_TOKEN_KEYS, "targets"]:
             present = [s[key] for s in samples if key in s]
             if not present:
                 continue
@@ -73,7 +73,7 @@ def _concat_images(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _image_keys(sample: dict) -> list[str]:
-    return [k for k in sample if k not in PER_TOKEN_KEYS and k != "labels"]
+    return [k for k in sample if k not in PER_TOKEN_KEYS and k != "targets"]
 
 
 # Image-processor settings that keep the fake image to a single tile in families that would split it
@@ -95,7 +95,7 @@ def _fake_image_sample(processor) -> dict[str, torch.Tensor]:
     )
     sample = {k: (v[0] if k in PER_TOKEN_KEYS else v) for k, v in out.items() if isinstance(v, torch.Tensor)}
     sample["attention_mask"] = torch.zeros_like(sample["input_ids"])
-    sample["labels"] = torch.full_like(sample["input_ids"], IGNORE_INDEX)
+    sample["targets"] = torch.full_like(sample["input_ids"], IGNORE_INDEX)
     return sample
 
 

@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 from tqdm import tqdm
 
-from ntil_ds.data.encoding import EncodedConversation, encode
+from ntil_ds.data.encoding import EncodedConversation, aligned_targets, encode
 from ntil_ds.data.processor import is_multimodal
 from ntil_ds.data.records import BadSample, Conversation, DataError, read_jsonl
 
@@ -50,7 +50,8 @@ class ConversationDataset(torch.utils.data.Dataset):
     Every line is read, checked (images opened) and measured in tokens here, so a bad line fails at the
     start with its file and line, or with `on_bad_sample="skip"` is skipped and counted in
     `self.report` (logged as a warning when anything was skipped). `dataset[i]` runs the processor: a
-    dict of tensors (no batch dimension on per-token ones) plus `labels`.
+    dict of tensors (no batch dimension on per-token ones) plus `targets`, the labels already aligned
+    with the model's outputs (`ntil_ds.data.encoding.aligned_targets`).
     """
 
     def __init__(
@@ -106,12 +107,12 @@ class ConversationDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         encoded = self._encoded[index]
-        labels = torch.from_numpy(encoded.labels)
+        targets = torch.from_numpy(aligned_targets(encoded.labels))
         input_ids = torch.from_numpy(encoded.input_ids)
         if not is_multimodal(self.processor):
-            return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "labels": labels}
+            return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "targets": targets}
         conversation = self.conversations[index]
-        return {**self._processor_outputs(conversation, encoded.text, input_ids), "labels": labels}
+        return {**self._processor_outputs(conversation, encoded.text, input_ids), "targets": targets}
 
     def _processor_outputs(self, conversation: Conversation, text: str, input_ids: torch.Tensor) -> dict:
         images = [load_rgb(path, conversation.source) for path in conversation.images]

@@ -12,6 +12,12 @@ labels, then each placeholder is expanded to the number of tokens its image take
 the processor computes from the image size alone. No pixels are processed here, so a large dataset is
 checked and measured quickly at the start. `__getitem__` later runs the full processor and checks that
 its ids equal these.
+
+Targets: the labels aligned with the model's outputs, made here once per sample (:func:`aligned_targets`):
+position t is trained to predict token t+1, so ``targets = labels[1:] + [IGNORE_INDEX]``. Nothing
+downstream shifts again (the trainer, the loss, packing and evaluation all read ``targets``), and a
+sample's last target is always ignored, so samples packed into one row never train one sample's last
+position on the next sample's first token, and NTIL's digit runs never join two samples' numbers.
 """
 
 from __future__ import annotations
@@ -21,10 +27,9 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
+from ntil_ds.constants import IGNORE_INDEX
 from ntil_ds.data.processor import is_multimodal, tokenizer_of
 from ntil_ds.data.records import BadSample, Conversation, DataError, text_of
-
-IGNORE_INDEX = -100
 
 
 @dataclass(frozen=True)
@@ -36,6 +41,12 @@ class EncodedConversation:
     input_ids: np.ndarray  # int64 [T]
     labels: np.ndarray  # int64 [T], IGNORE_INDEX where not trained on
     truncated: bool  # text after max_seq_len was cut off (whole answers only)
+
+
+def aligned_targets(labels: np.ndarray) -> np.ndarray:
+    """The training targets of one sample: ``labels`` shifted one to the left (position t predicts token
+    t+1), the last position ignored. The (small) labels move, never the (large) logits."""
+    return np.concatenate([labels[1:], np.array([IGNORE_INDEX], dtype=labels.dtype)])
 
 
 def template_messages(processor, messages: list[dict]) -> list[dict]:

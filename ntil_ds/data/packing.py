@@ -14,10 +14,10 @@ separate sequences:
   batch, so each sample gets exactly the positions it gets unpacked).
 - Images stay with their sample: per-image tensors are concatenated in sample order, as the model
   consumes them in placeholder order.
-- Labels: each sample's first label is set to -100. After the causal shift the last position of a sample
-  would otherwise be trained to predict the next sample's first token; unpacked, that first label is
-  never used either. So every sample's shifted labels end with an ignored position, and NTIL's digit
-  runs (maximal runs of digit labels) can never join the numbers of two samples.
+- Targets: concatenated as they come. Each sample's targets are already aligned (shifted) on their own
+  and end with an ignored position (`ntil_ds.data.encoding.aligned_targets`), so no position is trained
+  to predict the next sample's first token and NTIL's digit runs (maximal runs of digit targets) never
+  join the numbers of two samples.
 - ``unpack_index [S, Lmax]``: the flat position in the row of each sample's tokens (-1 past its end).
   `ntil_ds.loss.NTILLoss` takes it to compute its per-sequence terms per sample, not per row, so the
   packed loss equals the unpacked one.
@@ -34,13 +34,13 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from ntil_ds.constants import IGNORE_INDEX
 from ntil_ds.data.collate import _fake_image_sample, _image_keys
 from ntil_ds.data.dataset import PER_TOKEN_KEYS
-from ntil_ds.data.encoding import IGNORE_INDEX
 from ntil_ds.data.processor import is_multimodal, tokenizer_of
 from ntil_ds.data.records import DataError
 
-# Keys of a packed batch that are not model inputs (the trainer strips them, with the labels).
+# Keys of a packed batch that are not model inputs (the trainer strips them, with the targets).
 PACKING_KEYS = ("unpack_index",)
 
 # rope_fn(input_ids [S, L], mm_token_type_ids [S, L], attention_mask [S, L], image_tensors) -> [3, S, L]
@@ -88,9 +88,9 @@ class PackedCollator:
     varlen kernel wants; transformers only reads packing from position ids of a single row there).
     A number: rows of at most that many tokens, right-padded to the longest (for sdpa/eager, whose
     block-diagonal mask still costs time quadratic in the row length). Padding is a segment of its own
-    (positions restarting at 0), labelled -100 and with attention_mask 0, so it touches nothing real.
+    (positions restarting at 0), targets -100 and attention_mask 0, so it touches nothing real.
     `fake_image` as in `Collator`: a batch without any image gets a tiny blank one (its own segment after
-    the real samples, no labels, attention_mask 0) so every ZeRO-3 rank runs the vision tower.
+    the real samples, no targets, attention_mask 0) so every ZeRO-3 rank runs the vision tower.
     `rope_fn`: for M-RoPE models, the model's per-sample 3-D positions (`ntil_ds.model.packing`).
     """
 
@@ -101,7 +101,7 @@ class PackedCollator:
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         if pad_id is None:
             raise DataError("the tokenizer has neither a pad nor an eos token to pad rows with")
-        self.pad_values = {"input_ids": pad_id, "labels": IGNORE_INDEX}
+        self.pad_values = {"input_ids": pad_id, "targets": IGNORE_INDEX}
         self.fake_image = _fake_image_sample(processor) if fake_image and is_multimodal(processor) else None
         self.rope_fn = rope_fn
         self.row_tokens = row_tokens
@@ -125,7 +125,7 @@ class PackedCollator:
         width = max(start + n for (_, start), n in zip(places, lengths, strict=True))
 
         batch: dict[str, torch.Tensor] = {}
-        for key in [*PER_TOKEN_KEYS, "labels"]:
+        for key in [*PER_TOKEN_KEYS, "targets"]:
             present = [s[key] for s in segments if key in s]
             if not present:
                 continue
@@ -140,7 +140,6 @@ class PackedCollator:
         for (r, start), n in zip(places, lengths, strict=True):
             positions[r, start : start + n] = torch.arange(n)
             positions[r, start + n :] = torch.arange(width - start - n)
-            batch["labels"][r, start] = IGNORE_INDEX  # never a target (see the module docstring)
             flat_start.append(r * width + start)
         batch["position_ids"] = positions
         for key in sorted({k for s in segments for k in _image_keys(s)}):
@@ -165,7 +164,7 @@ class PackedCollator:
             for k, ((r, start), n) in enumerate(zip(places, lengths, strict=True)):
                 out[k, :n] = batch[key][r, start : start + n]
             padded[key] = out
-        not_images = (*PER_TOKEN_KEYS, *PACKING_KEYS, "labels", "position_ids")
+        not_images = (*PER_TOKEN_KEYS, *PACKING_KEYS, "targets", "position_ids")
         images = {k: v for k, v in batch.items() if k not in not_images}
         rope = self.rope_fn(padded["input_ids"], padded["mm_token_type_ids"], valid.long(), images)
         text = batch["position_ids"]

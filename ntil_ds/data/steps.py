@@ -24,12 +24,10 @@ from typing import Any
 
 import torch
 
+from ntil_ds.data.batch import MicroBatch
 from ntil_ds.data.dataset import ConversationDataset
 from ntil_ds.data.packing import plan_micro_batches
 from ntil_ds.data.sampler import ResumableDistributedSampler
-
-# One micro-batch: (sample ids in the data file, collated tensors)
-MicroBatchData = tuple[list[int], dict[str, torch.Tensor]]
 
 
 class StepBatches(torch.utils.data.Dataset):
@@ -78,8 +76,8 @@ class StepBatches(torch.utils.data.Dataset):
     def _lengths(self, ids: list[int]) -> list[int]:
         return [self.dataset.num_tokens(i) for i in ids]
 
-    def __getitem__(self, k: int) -> list[MicroBatchData]:
-        return [(ids, self.collate([self.dataset[i] for i in ids])) for ids in self.step_groups(k)]
+    def __getitem__(self, k: int) -> list[MicroBatch]:
+        return [MicroBatch(ids, self.collate([self.dataset[i] for i in ids])) for ids in self.step_groups(k)]
 
     def __len__(self) -> int:  # endless; DataLoader only asks when it has no sampler
         raise TypeError("StepBatches is endless")
@@ -94,7 +92,7 @@ def _as_is(item: Any) -> Any:
     return item
 
 
-def step_loader(steps: StepBatches, num_workers: int, pin_memory: bool) -> Iterator[list[MicroBatchData]]:
+def step_loader(steps: StepBatches, num_workers: int, pin_memory: bool) -> Iterator[list[MicroBatch]]:
     """Steps 0, 1, 2, ... in order; with workers, the next `2 * num_workers` steps are prepared ahead."""
     loader = torch.utils.data.DataLoader(
         steps,

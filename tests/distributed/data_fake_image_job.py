@@ -41,10 +41,10 @@ def main() -> None:
         losses = []
         for _ in range(2):
             batch = collator([dataset[i] for i in ids])
-            labels = batch.pop("labels")
+            targets = batch.pop("targets")  # aligned with the logits in the data
             logits = engine(**batch).logits
             loss = torch.nn.functional.cross_entropy(
-                logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX
+                logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX
             )
             engine.backward(loss)
             engine.step()

@@ -19,12 +19,13 @@ from pathlib import Path
 import torch
 
 from launch.train import parse_args
-from ntil_ds.checkpoint import export_hf_folder
 from ntil_ds.config import load_config
 from ntil_ds.dist import DistInfo, exit_process
 from ntil_ds.ds_config import load_deepspeed_json, merge_deepspeed_config
 from ntil_ds.engine import init_distributed
-from ntil_ds.trainer import NonFiniteLossError, Trainer
+from ntil_ds.export import export_hf_folder
+from ntil_ds.nonfinite import NonFiniteLossError
+from ntil_ds.trainer import Trainer
 
 EXIT_STOPPED_ON_NAN = 3
 
@@ -68,8 +69,8 @@ def main() -> int:
     ds_config = merge_deepspeed_config(cfg, load_deepspeed_json(cfg.deepspeed), dist_info.dp_size)
     init_distributed()
     trainer = Trainer(cfg, ds_config, dist_info)
-    trainer.loss_fn = PoisonedLoss(
-        trainer.loss_fn,
+    trainer.objective.loss_fn = PoisonedLoss(
+        trainer.objective.loss_fn,
         trainer.grad_accum,
         int(os.environ["NAN_AT_STEP"]),
         int(os.environ["NAN_ON_RANK"]),

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from tests.conftest import REPO_ROOT
+from tests.distributed.training_runs import launch_env, train_metrics
 
 # ~1-2 min on 2 free cores; the limit is for a machine shared with other jobs (3 launcher starts)
 pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.timeout(1800)]
@@ -43,8 +44,13 @@ def comparison(tmp_path_factory):
         "train.global_batch_size=2",
         "optim.warmup_steps=0",
         "train.log_every=1",
+        "eval.generate_every=1",  # scores while training: the curves
+        "eval.generate_samples=4",
+        "eval.max_new_tokens=4",
     ]
-    result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=1700)
+    result = subprocess.run(
+        command, cwd=REPO_ROOT, env=launch_env(), capture_output=True, text=True, timeout=1700
+    )
     return out, result
 
 
@@ -67,8 +73,16 @@ def test_results_json_holds_every_run_and_the_summary(comparison):
     assert "global_batch_size=3" in failed["error"]  # the job's own message, from its log
     assert report["failed"] == [f"{FAILING} seed 0"]
     assert FAILING not in report["summary"] or not report["summary"][FAILING]
-    # the ntl run really trained with ntloss: its resolved config says so
+    # the ntl run really trained with ntloss: its resolved config says so, and its objective is CE plus
+    # a number term (the ce run's objective is its CE exactly)
     assert "name: ntl" in (out / "runs" / "ntl-seed0" / "config.yaml").read_text()
+    for label, differs in (("ce", False), ("ntl", True)):
+        last = train_metrics(out / "runs" / f"{label}-seed0")[2]
+        assert (last["loss"] > last["ce"] * (1 + 1e-6)) is differs, (label, last)
+    # each run was scored on its own export
+    for label in ("ce", "ntl"):
+        scored = json.loads((out / "runs" / f"{label}-seed0" / "eval_test.json").read_text())
+        assert scored["model"] == str(out / "runs" / f"{label}-seed0" / "export")
 
 
 def test_table_and_plot(comparison):
@@ -79,6 +93,13 @@ def test_table_and_plot(comparison):
     assert "Failed runs (1):" in table and "global_batch_size=3" in table
     png = (out / "comparison.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 5000
+    # the scores each run logged while training, per step and seed, and their plot
+    report = json.loads((out / "results.json").read_text())
+    for label in ("ce", "ntl"):
+        assert sorted(report["curves"][label]["parse_rate"]) == ["1", "2"]  # JSON keys
+        assert all(len(values) == 1 for values in report["curves"][label]["parse_rate"].values())
+    assert not report["curves"][FAILING]
+    assert (out / "curves.png").read_bytes().startswith(b"\x89PNG")
 
 
 def test_mlflow_parent_with_a_child_per_job(comparison):
@@ -91,7 +112,7 @@ def test_mlflow_parent_with_a_child_per_job(comparison):
     assert parent.info.status == "FINISHED" and parent.data.tags["ntil_ds.comparison"] == "parent"
     assert "ce/parse_rate_mean" in parent.data.metrics and "ntl/abs_error_std" in parent.data.metrics
     artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
-    assert {"results.json", "table.md", "comparison.png"} <= artifacts
+    assert {"results.json", "table.md", "comparison.png", "curves.png"} <= artifacts
     children = client.search_runs(
         [parent.info.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'"
     )

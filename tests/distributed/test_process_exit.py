@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import warnings
 
 import pytest
 
@@ -21,18 +22,34 @@ pytestmark = [pytest.mark.distributed]
 PROBE = REPO_ROOT / "tests" / "distributed" / "exit_probe.py"
 
 
+def _run_probe(store, how: str) -> list[tuple[int, str]]:
+    """Both ranks of one probe job: (exit code, output) each."""
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, str(PROBE), str(rank), str(store), how],
+            env=launch_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    outputs = [process.communicate(timeout=120)[0] for process in ranks]  # then each has its exit code
+    return [(process.returncode, output) for process, output in zip(ranks, outputs, strict=True)]
+
+
 @pytest.mark.timeout(300)
 def test_ranks_that_end_with_exit_process_never_abort(tmp_path):
     for attempt in range(4):
-        store = tmp_path / f"store{attempt}"
-        ranks = [
-            subprocess.Popen(
-                [sys.executable, str(PROBE), str(rank), str(store), "exit_process"],
-                env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            )
-            for rank in (0, 1)
-        ]  # fmt: skip
-        for rank, process in enumerate(ranks):
-            output, _ = process.communicate(timeout=120)
-            assert process.returncode == 0, f"attempt {attempt}, rank {rank}: {output[-2000:]}"
+        for rank, (code, output) in enumerate(_run_probe(tmp_path / f"store{attempt}", "exit_process")):
+            assert code == 0, f"attempt {attempt}, rank {rank}: {output[-2000:]}"
             assert "terminate called" not in output
+    # The control: the same job ending by plain finalization. Whether it aborts here says whether this
+    # machine shows the race at all (the assertion above cannot fail where it never happens); reported,
+    # not asserted, since its rate is the machine's.
+    aborted = sum(
+        code != 0 or "terminate called" in output
+        for attempt in range(2)
+        for code, output in _run_probe(tmp_path / f"control{attempt}", "finalize")
+    )
+    warnings.warn(f"exit-race control: {aborted} of 4 plain exits aborted on this machine", stacklevel=1)

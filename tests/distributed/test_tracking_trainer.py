@@ -54,7 +54,7 @@ def first_logged(output_dir: Path, split: str) -> dict[int, dict]:
 def tiny_inputs(tmp_path_factory) -> dict[str, object]:
     """The overrides every job here shares: a tiny Qwen2-VL folder and clock data, 2 x 2 per step."""
     from ntil_ds.data.synthetic import write_dataset
-    from ntil_ds.model.tiny import build_tiny_model_folder
+    from ntil_ds.tiny import build_tiny_model_folder
 
     root = tmp_path_factory.mktemp("tracked_trainer_inputs")
     data = write_dataset("clock", 40, root / "data", seed=0)

@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 def pretrained_tiny_model(tmp_path_factory):
     from transformers import AutoConfig, AutoModelForImageTextToText
 
-    from ntil_ds.model.tiny import build_tiny_model_folder
+    from ntil_ds.tiny import build_tiny_model_folder
 
     root = tmp_path_factory.mktemp("packing")
     folder = build_tiny_model_folder("qwen2_vl", root / "model")
@@ -90,6 +90,10 @@ def test_packed_two_ranks_equal_unpacked_one_process(pretrained_tiny_model):
             "data.num_workers": 1,
         },
     )
+    # packing happened: 4 samples of 43-50 tokens per rank make rows of 1 or 2 under the 96-token budget,
+    # 2 or 3 forwards (ignored, micro_batch_size=1 would make 4); the reference takes 1 of 8 samples
+    assert packed["metrics"][1]["micro_batches"] in (2, 3)
+    assert [reference["metrics"][step]["micro_batches"] for step in (1, 2)] == [1, 1]
     for step in (1, 2):
         got, want = packed["metrics"][step], reference["metrics"][step]
         assert got["labelled_tokens"] == want["labelled_tokens"]

@@ -5,67 +5,30 @@ from __future__ import annotations
 import json
 import os
 import random
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import psutil
 from PIL import Image, ImageDraw
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-TRAIN_SCRIPT = REPO_ROOT / "launch" / "train.py"
+from ntil_ds import jobs
+from ntil_ds.jobs import REPO_ROOT, TRAIN_SCRIPT, job_env, launcher_command, run_job
+
 TINY_RECIPE = REPO_ROOT / "configs" / "train" / "tiny_qwen2vl_clock.yaml"
 LAUNCH_TIMEOUT_S = 540  # generous: an outer guard against hangs, not a speed check
 
 
 def launch_env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(
-        OMP_NUM_THREADS="1",
-        DS_ACCELERATOR="cpu",
-        TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO_ROOT / ".torch_extensions")),
-        TOKENIZERS_PARALLELISM="false",
-        HF_HUB_OFFLINE="1",
-        PYTHONPATH=os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+    """The jobs' environment, with the CPU settings forced (a developer's OMP_NUM_THREADS would change
+    the float order of the runs the tests compare)."""
+    return job_env(
+        OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", **extra
     )
-    env.update(extra)
-    return env
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launcher_command(launcher: str, nproc: int, script: Path, args: list[str]) -> list[str]:
-    if launcher == "deepspeed":
-        deepspeed = Path(sys.executable).with_name("deepspeed")
-        return [
-            str(deepspeed),
-            "--num_gpus",
-            str(nproc),
-            "--master_port",
-            str(free_port()),
-            str(script),
-            *args,
-        ]
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        str(nproc),
-        str(script),
-        *args,
-    ]
 
 
 def train_args(recipe: Path, overrides: dict[str, object]) -> list[str]:
-    return ["--config", str(recipe), *(f"{k}={v}" for k, v in overrides.items())]
+    return jobs.train_args(recipe, [f"{k}={v}" for k, v in overrides.items()])
 
 
 def run_training(
@@ -79,13 +42,12 @@ def run_training(
     env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
     """Run a job to its end; the output (stdout+stderr) is in .stdout."""
-    return subprocess.run(
-        launcher_command(launcher, nproc, script, train_args(recipe, overrides)),
-        cwd=REPO_ROOT,
+    return run_job(
+        script,
+        train_args(recipe, overrides),
+        nproc=nproc,
+        launcher=launcher,
         env=env or launch_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
         timeout=timeout,
     )
 
@@ -153,7 +115,7 @@ def tiny_job_overrides(out: Path, model_dir: Path, data_file: Path, **extra: obj
 def tiny_model_and_data(root: Path, kind: str, n: int, image_size: int) -> tuple[Path, Path, Path]:
     """``(root, model folder, train JSONL)``: a tiny random ``kind`` model folder and mixed text/image
     arithmetic data (see :func:`write_mixed_arithmetic_data`) under ``root``."""
-    from ntil_ds.model.tiny import build_tiny_model_folder
+    from ntil_ds.tiny import build_tiny_model_folder
 
     model_dir = build_tiny_model_folder(kind, root / "model")
     return root, model_dir, write_mixed_arithmetic_data(root / "data", n=n, image_size=image_size)

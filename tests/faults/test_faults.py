@@ -46,6 +46,14 @@ def overrides(setup, name: str, **extra: object) -> dict[str, object]:
     return tiny_job_overrides(root / name, model_dir, data_file, **{"optim.lr": 0.001, **extra})
 
 
+def _alive(process: psutil.Process) -> bool:
+    """Running and not a zombie; a process that ends between the two questions is not alive."""
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def losses(out: Path) -> dict[int, float]:
     return {step: record["loss"] for step, record in train_metrics(out).items()}
 
@@ -86,10 +94,9 @@ def test_rank_killed_with_sigkill_mid_step_ends_the_job_fast_and_nonzero(tiny_se
             for process in leftovers:
                 process.kill()
     assert returncode not in (0, EXIT_PREEMPTED), returncode
+    # A bound that tells a hang (gloo's 30-minute timeout) from an ending, not a speed check.
     assert took_s < 120, f"the job took {took_s:.0f} s to end after rank 1 was killed"
-    assert not [p for p in workers if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], (
-        "a rank outlived the job"
-    )
+    assert not [p for p in workers if _alive(p)], "a rank outlived the job"
     print(f"job ended {took_s:.1f} s after SIGKILL of rank 1, exit code {returncode}")
 
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from ntil_ds.dist import free_port
 from tests.conftest import REPO_ROOT
-from tests.distributed.training_runs import free_port
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

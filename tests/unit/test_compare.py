@@ -1,22 +1,22 @@
-"""launch/compare.py's aggregation on hand-computed cases: mean +- sample std over seeds, the change
-against the baseline, failed runs kept in the table, loss specs with their own overrides."""
+"""The comparison's aggregation (ntil_ds.comparison, behind launch/compare.py) on hand-computed cases:
+mean +- sample std over seeds, the change against the baseline, failed runs kept in the table, loss specs
+with their own overrides."""
 
-import importlib.util
 import math
-import sys
+from types import SimpleNamespace
 
 import pytest
-
-from tests.conftest import REPO_ROOT
 
 
 @pytest.fixture(scope="module")
 def compare():
-    spec = importlib.util.spec_from_file_location("compare_entry", REPO_ROOT / "launch" / "compare.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    """The comparison's pure parts, under one name as the tests below use them."""
+    from ntil_ds.comparison import results
+    from ntil_ds.tracking.step_log import metric_key
+
+    return SimpleNamespace(
+        **{n: getattr(results, n) for n in dir(results) if not n.startswith("_")}, metric_key=metric_key
+    )
 
 
 def _run(compare, label, seed, status="ok", **metrics):
@@ -70,4 +70,79 @@ def test_metric_keys_are_valid_for_mlflow(compare):
     assert (
         compare.metric_key("ntil_loss.ntil_lambda=0.6/abs_error_mean")
         == "ntil_loss.ntil_lambda_0.6/abs_error_mean"
+    )
+
+
+def test_score_curves_take_every_seed_of_a_loss_at_the_steps_all_reached(compare, tmp_path):
+    """The curves come from each run's own metrics.jsonl ("generate" records, the last of a step wins);
+    a failed run adds nothing; a step only some seeds reached is left out (no mean of one seed there)."""
+    import json
+
+    from ntil_ds.tracking.plots import plot_comparison_curves
+
+    def run(label, seed, records, status="ok"):
+        folder = tmp_path / f"{label}-{seed}"
+        folder.mkdir()
+        lines = [{"split": "train", "step": 1, "loss": 1.0}, *({"split": "generate", **r} for r in records)]
+        (folder / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+        result = _run(compare, label, seed, status=status)
+        result.output_dir = str(folder)
+        return result
+
+    runs = [
+        run("ce", 0, [{"step": 2, "abs_error": 9.0}, {"step": 4, "abs_error": 7.0}]),
+        run(
+            "ce",
+            1,
+            [{"step": 2, "abs_error": 5.0}, {"step": 2, "abs_error": 6.0}, {"step": 4, "abs_error": 3.0}],
+        ),
+        run("ntil", 0, [{"step": 2, "abs_error": 4.0}, {"step": 4, "abs_error": 2.0}]),
+        run("ntil", 1, [{"step": 2, "abs_error": 8.0}]),  # stopped before step 4
+        run("ntil", 2, [{"step": 2, "abs_error": 99.0}], status="failed"),
+    ]
+    curves = compare.score_curves(runs, ("abs_error", "iou"))
+    assert curves == {
+        "ce": {"abs_error": {2: [9.0, 6.0], 4: [7.0, 3.0]}},
+        "ntil": {"abs_error": {2: [4.0, 8.0]}},
+    }
+    assert (
+        plot_comparison_curves(curves, ("abs_error",), tmp_path / "c.png", "t").read_bytes()[:4] == b"\x89PNG"
+    )
+    assert plot_comparison_curves({"ce": {}}, ("abs_error",), tmp_path / "none.png", "t") is None
+
+
+def test_the_plan_takes_uri_credentials_and_writes_none(tmp_path, monkeypatch):
+    """A comparison given ``tracking.uri=http://user:password@host``: the credentials become this
+    process's MLflow variables (its jobs inherit them); the plan (what the jobs are given, results.json
+    and the parent run's params are made from) holds them nowhere."""
+    import json
+    import os
+    from dataclasses import asdict
+
+    from ntil_ds.comparison.grid import plan_comparison
+    from ntil_ds.jobs import REPO_ROOT
+
+    for name in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN"):
+        monkeypatch.setenv(name, "")  # records the original state for teardown
+        monkeypatch.delenv(name)
+    (tmp_path / "train.jsonl").write_text("")
+    (tmp_path / "test.jsonl").write_text(json.dumps({"task": "arithmetic"}) + "\n")
+    uri = "http://trainer:secret-pw@mlflow.example:5000"
+    plan = plan_comparison(
+        REPO_ROOT / "configs" / "train" / "tiny_qwen2_arithmetic.yaml",
+        tmp_path / "out",
+        [("ce", "ce", ["loss.name=ce"])],
+        [0],
+        nproc=1,
+        overrides=[f"data.train_file={tmp_path / 'train.jsonl'}", f"tracking.uri={uri}"],
+        test_split=None,
+        task=None,
+        command=f"compare.py --config tiny_qwen2_arithmetic.yaml tracking.uri={uri}",
+    )
+    assert plan.uri == "http://mlflow.example:5000"
+    assert f"tracking.uri={plan.uri}" in plan.base_overrides and plan.command.endswith(plan.uri)
+    assert "secret" not in json.dumps(asdict(plan), default=str)
+    assert (os.environ["MLFLOW_TRACKING_USERNAME"], os.environ["MLFLOW_TRACKING_PASSWORD"]) == (
+        "trainer",
+        "secret-pw",
     )

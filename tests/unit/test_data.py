@@ -20,7 +20,7 @@ from ntil_ds.data import (
     tokenizer_of,
 )
 from ntil_ds.data.encoding import encode, expands_to_image_tokens_only
-from ntil_ds.model.tiny import TINY_KINDS, build_tiny_model_folder
+from ntil_ds.tiny import TINY_KINDS, build_tiny_model_folder
 
 MLLM_KINDS = ("qwen2_vl", "qwen2_5_vl", "llava", "qwen3_vl", "gemma3", "internvl", "smolvlm")
 END_OF_TURN = {
@@ -63,8 +63,8 @@ def _write(tmp_path, rows, name="data.jsonl"):
 
 
 def _labelled_text(tokenizer, sample):
-    labels = sample["labels"]
-    return tokenizer.decode(labels[labels != IGNORE_INDEX])
+    targets = sample["targets"]
+    return tokenizer.decode(targets[targets != IGNORE_INDEX])
 
 
 def _runs(mask):
@@ -80,7 +80,7 @@ def _runs(mask):
 
 
 # ----------------------------------------------------------------------------------------------------
-# labels
+# labels (as aligned targets: position t is trained to predict token t+1)
 
 
 @pytest.mark.parametrize("kind", TINY_KINDS)
@@ -106,15 +106,18 @@ def test_labels_are_exactly_the_answers_and_their_end_of_turn(tmp_path, processo
     assert _labelled_text(tokenizer, first) == f"10:42{eot}"
     assert _labelled_text(tokenizer, second) == f"42{eot}999{eot}"
     for sample in (first, second):
-        labelled = sample["labels"] != IGNORE_INDEX
-        assert torch.equal(sample["labels"][labelled], sample["input_ids"][labelled])  # aligned, unshifted
+        targets, input_ids = sample["targets"], sample["input_ids"]
+        labelled = targets != IGNORE_INDEX
+        # aligned in the data: the target of position t is the next token, and the last is never trained
+        assert torch.equal(targets[:-1][labelled[:-1]], input_ids[1:][labelled[:-1]])
+        assert not labelled[-1]
         # each labelled run ends with the end-of-turn token and is preceded by the prompt
         for start, end in _runs(labelled):
-            assert tokenizer.convert_ids_to_tokens(int(sample["input_ids"][end - 1])) == eot
+            assert tokenizer.convert_ids_to_tokens(int(targets[end - 1])) == eot
             assert start > 0 and not labelled[start - 1]
     if kind != "qwen2":
         image_tokens = first["input_ids"] == _expanded_image_token_id(processor)
-        assert image_tokens.sum() > 1 and not (first["labels"][image_tokens] != IGNORE_INDEX).any()
+        assert image_tokens.sum() > 1 and not (first["targets"] == _expanded_image_token_id(processor)).any()
         # the whole image sits in one run of placeholders the processor expanded; SmolVLM: one run of
         # image_seq_len tokens per tile it cut (the 64x48 image, scaled to 84x64: 3x3 tiles + the whole image)
         runs = _runs(image_tokens)
@@ -242,7 +245,8 @@ def test_truncation_keeps_whole_answers_and_never_cuts_an_image(tmp_path, proces
     full = ConversationDataset(path, processor, max_seq_len=4096)
     full_lengths = [len(full[i]["input_ids"]) for i in range(3)]
     second_answer_end = full_lengths[1]
-    first_answer_end = int(torch.nonzero(full[1]["labels"] != IGNORE_INDEX)[2]) + 1  # "4", "2", "<|im_end|>"
+    # the targets "4", "2", "<|im_end|>" sit one position before their tokens
+    first_answer_end = int(torch.nonzero(full[1]["targets"] != IGNORE_INDEX)[2]) + 2
     max_len = second_answer_end - 3  # cuts the second answer
     assert first_answer_end < max_len < full_lengths[2]
 
@@ -273,7 +277,7 @@ def _model(folder, kind):
 
 
 def _forward(model, batch):
-    return model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+    return model(**{k: v for k, v in batch.items() if k != "targets"}).logits
 
 
 @pytest.mark.parametrize("kind", ["qwen2_5_vl", "llava", "qwen3_vl", "gemma3", "internvl", "smolvlm"])
@@ -301,7 +305,7 @@ def test_padded_mixed_batch_equals_one_by_one(tmp_path, folders, processors, kin
             batch["attention_mask"][row, length:] == 0
         ).all()
         assert (batch["input_ids"][row, length:] == pad).all() and (
-            batch["labels"][row, length:] == IGNORE_INDEX
+            batch["targets"][row, length:] == IGNORE_INDEX
         ).all()
     model = _model(folders[kind], kind)
     with torch.no_grad():
@@ -383,8 +387,8 @@ def test_fake_image_runs_the_vision_tower_without_changing_the_text(tmp_path, fo
     # <fake_token_around_image> markers
     assert fake_is_image.any() and (batch["attention_mask"][0, fake] == 0).all()
     assert bool(fake_is_image.all()) == expands_to_image_tokens_only(processor)
-    assert (batch["labels"][0, fake] == IGNORE_INDEX).all()
-    assert torch.equal(batch["labels"][0, :n_real], samples[0]["labels"])
+    assert (batch["targets"][0, fake] == IGNORE_INDEX).all()
+    assert torch.equal(batch["targets"][0, :n_real], samples[0]["targets"])
     if "mm_token_type_ids" in batch:
         assert (batch["mm_token_type_ids"][0, fake] == 1).all()
     if "token_type_ids" in batch:  # Gemma 3 marks its image tokens (bidirectional attention among them)
@@ -396,9 +400,8 @@ def test_fake_image_runs_the_vision_tower_without_changing_the_text(tmp_path, fo
     for row, sample in enumerate(samples):
         n = len(sample["input_ids"])
         torch.testing.assert_close(logits[row, :n], reference[row, :n], rtol=1e-5, atol=1e-5)
-    labels = batch["labels"][:, 1:]
     loss = torch.nn.functional.cross_entropy(
-        logits[:, :-1].flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX
+        logits.flatten(0, 1), batch["targets"].flatten(), ignore_index=IGNORE_INDEX
     )
     loss.backward()
     vision = [
@@ -415,7 +418,7 @@ def test_text_only_tokenizer_gets_no_fake_image(tmp_path, processors):
     rows = [{"messages": [_user("What is 12+30?"), {"role": "assistant", "content": "42"}]}]
     dataset = ConversationDataset(_write(tmp_path, rows), tokenizer, max_seq_len=64)
     batch = Collator(tokenizer, fake_image=True)([dataset[0]])
-    assert set(batch) == {"input_ids", "attention_mask", "labels"}
+    assert set(batch) == {"input_ids", "attention_mask", "targets"}
 
 
 # ----------------------------------------------------------------------------------------------------

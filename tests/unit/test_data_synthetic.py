@@ -12,8 +12,8 @@ from PIL import Image
 
 from ntil_ds.data import IGNORE_INDEX, Collator, ConversationDataset, load_processor, tokenizer_of
 from ntil_ds.data.synthetic import TASKS, generate, make_boxes, split_sizes, write_dataset
-from ntil_ds.metrics import parse_box, parse_clock
-from ntil_ds.model.tiny import build_tiny_model_folder
+from ntil_ds.scoring import parse_box, parse_clock
+from ntil_ds.tiny import build_tiny_model_folder
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -94,9 +94,9 @@ def test_make_data_output_loads_and_collates(tmp_path_factory, task):
         assert len(dataset) == split_sizes(10)[split] and dataset.report.num_skipped == 0
     dataset = ConversationDataset(paths["train"], processor, max_seq_len=256)
     batch = Collator(processor)([dataset[0], dataset[1]])
-    labels = batch["labels"][0]
+    targets = batch["targets"][0]
     answer = dataset.conversations[0].answers()[0]
-    assert tokenizer_of(processor).decode(labels[labels != IGNORE_INDEX]) == answer + "<|im_end|>"
+    assert tokenizer_of(processor).decode(targets[targets != IGNORE_INDEX]) == answer + "<|im_end|>"
     if task != "arithmetic":
         assert batch["image_grid_thw"].shape[0] == 2
 

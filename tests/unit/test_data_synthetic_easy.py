@@ -7,7 +7,7 @@ import re
 import pytest
 
 from ntil_ds.data.synthetic import EASY_CLOCK_SIZE, TASKS, generate, write_dataset
-from ntil_ds.metrics import parse_box, parse_clock
+from ntil_ds.scoring import parse_box, parse_clock
 
 
 def test_easy_clock_is_quarter_hours_on_a_fixed_dial_with_hands_at_the_answer():

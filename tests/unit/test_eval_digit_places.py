@@ -2,7 +2,7 @@
 
 import torch
 
-from ntil_ds.trainer import digit_accuracy_by_place
+from ntil_ds.evaluation.teacher_forced import digit_accuracy_by_place
 
 DIGIT_IDS = torch.arange(10, 20)  # token id of "d" is 10 + d
 IGNORED = -100

@@ -71,7 +71,14 @@ def test_kernel_argument_reaches_the_kernels_and_cpu_is_refused_without_the_inte
 
 
 def test_torch_path_tiles_stay_cpu_sized_on_cpu():
-    assert vocab_stats.tile_elements(torch.device("cpu")) == vocab_stats.TILE_ELEMENTS == 1 << 20
+    """On CPU the torch path's row tiles cover every row once, in order, and hold at most 2**20 logits
+    (one row at least, however wide): CUDA's larger tiles never leak onto the CPU."""
+    cpu = torch.device("cpu")
+    for rows, width in ((5000, 1003), (3, 1 << 21), (1, 7)):
+        tiles = vocab_stats._row_tiles(rows, width, cpu)
+        assert [start for start, _ in tiles] == [0, *(end for _, end in tiles[:-1])] and tiles[-1][1] == rows
+        assert all((end - start) * width <= max(width, 1 << 20) for start, end in tiles)
+    assert len(vocab_stats._row_tiles(5000, 1003, cpu)) == -(-5000 // ((1 << 20) // 1003))
 
 
 def test_number_stage_setting_is_checked():
@@ -89,8 +96,8 @@ def test_recipe_keys_reach_the_loss(tmp_path):
     from transformers import AutoTokenizer
 
     from ntil_ds.config import ConfigError, load_config
-    from ntil_ds.model.tiny import build_tiny_model_folder
-    from ntil_ds.trainer import build_loss
+    from ntil_ds.loss.build import build_loss
+    from ntil_ds.tiny import build_tiny_model_folder
 
     tokenizer = AutoTokenizer.from_pretrained(build_tiny_model_folder("qwen2", tmp_path / "tiny"))
     base = [f"model.name_or_path={tmp_path}", "data.train_file=x"]

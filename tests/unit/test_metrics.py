@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from ntil_ds.metrics import (
+from ntil_ds.scoring import (
     box_iou,
     clock_deviation,
     digit_position_hits,

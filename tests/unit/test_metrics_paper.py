@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from ntil_ds.metrics import score
+from ntil_ds.scoring import score
 
 
 def test_parse_rate_for_every_task():

@@ -20,7 +20,7 @@ from ntil_ds.data import Collator, ConversationDataset, load_processor, tokenize
 from ntil_ds.data.packing import PACKING_KEYS, PackedCollator, plan_micro_batches
 from ntil_ds.loss import NTILLoss, digit_token_ids_from_tokenizer
 from ntil_ds.model.packing import check_packing_supported, rope_fn_for
-from ntil_ds.model.tiny import build_tiny_model_folder
+from ntil_ds.tiny import build_tiny_model_folder
 from tests.distributed.training_runs import write_mixed_arithmetic_data
 
 KINDS = ("qwen2_vl", "qwen2_5_vl", "llava", "qwen2")
@@ -60,17 +60,13 @@ def setup(request, tmp_path_factory):
     return kind, processor, dataset, model, loss
 
 
-def _shift(labels: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
-
-
 def _run(model, loss_fn, batch: dict, packed: bool):
     model.zero_grad(set_to_none=True)
-    inputs = {k: v for k, v in batch.items() if k not in ("labels", *PACKING_KEYS)}
+    inputs = {k: v for k, v in batch.items() if k not in ("targets", *PACKING_KEYS)}
     if packed:
         inputs.pop("attention_mask")  # packing: boundaries come from position_ids
     logits = model(**inputs, use_cache=False).logits
-    out = loss_fn(logits, _shift(batch["labels"]), unpack_index=batch.get("unpack_index"))
+    out = loss_fn(logits, batch["targets"], unpack_index=batch.get("unpack_index"))
     out.loss_sum.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return logits.detach(), out, grads
@@ -85,9 +81,6 @@ GROUPS = ([0, 1, 2, 3, 8], [4, 5, 6, 7], [1])
 def test_packed_equals_unpacked(setup, ids, row_tokens):
     kind, processor, dataset, model, loss_fn = setup
     samples = [dataset[i] for i in ids]
-    for sample in samples:  # a labelled first token (templates never make one): unpacked, no position
-        sample["labels"] = sample["labels"].clone()  # predicts it; packed, the previous sample must not
-        sample["labels"][0] = sample["input_ids"][0]
     reference = Collator(processor, fake_image=True)(samples)
     packed = PackedCollator(processor, fake_image=True, rope_fn=rope_fn_for(model), row_tokens=row_tokens)(
         samples
@@ -129,16 +122,30 @@ def test_without_unpack_index_numbers_of_adjacent_samples_would_mix(setup):
     assert not torch.isclose(out_rows.ntil, out_p.ntil)
 
 
-def test_packed_labels_start_each_sample_ignored(setup):
+def test_packed_targets_end_every_sample_ignored(setup):
+    """No position of a packed row is trained to predict the next sample's first token, and no digit run
+    can reach into the next sample: every sample's last target is ignored, and packing moves targets
+    as they are (the alignment is the dataset's, per sample)."""
     _, processor, dataset, model, _ = setup
     samples = [dataset[i] for i in GROUPS[1]]
     packed = PackedCollator(processor, fake_image=True, rope_fn=rope_fn_for(model))(samples)
-    starts = torch.tensor([0] + [len(s["input_ids"]) for s in samples[:-1]]).cumsum(0)
-    assert (packed["labels"][0, starts] == -100).all()
-    # every sample's last shifted position is ignored: no digit run can reach into the next sample
     index = packed["unpack_index"]
     last = index.gather(1, (index >= 0).sum(1, keepdim=True) - 1).squeeze(1)
-    assert (_shift(packed["labels"]).flatten()[last] == -100).all()
+    assert (packed["targets"].flatten()[last] == -100).all()
+    for sample, positions in zip(samples, index, strict=True):
+        n = len(sample["input_ids"])
+        assert torch.equal(packed["targets"].flatten()[positions[:n]], sample["targets"])
+
+
+def test_aligned_targets_shift_per_sample_and_end_ignored():
+    """A label on every token, the first and last included: position t targets token t+1 and the last
+    position targets nothing (a roll or a pad on the wrong side would leak the next sample's token)."""
+    import numpy as np
+
+    from ntil_ds.data.encoding import aligned_targets
+
+    assert aligned_targets(np.array([5, 6, 7, 8])).tolist() == [6, 7, 8, -100]
+    assert aligned_targets(np.array([-100, 6, -100])).tolist() == [6, -100, -100]
 
 
 def test_plan_micro_batches():
@@ -210,6 +217,7 @@ def test_step_batches_agree_across_ranks_and_resume_exactly(text_dataset):
     with_worker = step_loader(ranks[0], num_workers=1, pin_memory=False)
     for expected in direct:
         got = next(with_worker)
-        assert [ids for ids, _ in got] == [ids for ids, _ in expected]
-        for (_, a), (_, b) in zip(got, expected, strict=True):
-            assert a.keys() == b.keys() and all(torch.equal(a[key], b[key]) for key in a)
+        assert [mb.sample_ids for mb in got] == [mb.sample_ids for mb in expected]
+        for a, b in zip(got, expected, strict=True):
+            assert a.tensors.keys() == b.tensors.keys()
+            assert all(torch.equal(a.tensors[key], b.tensors[key]) for key in a.tensors)

@@ -1,5 +1,6 @@
-"""Numeric answer metrics (pure functions): the paper's box Acc@0.5, clock accuracy and deviation,
-exact match and the error of numbers, and accuracy per digit position.
+"""Scoring generated answers (pure functions): the paper's box Acc@0.5, clock accuracy and deviation,
+exact match and the error of numbers, and accuracy per digit position; and, per task, which of these
+scores a comparison shows (:data:`TASK_METRICS`) and which way is better (:data:`HIGHER_IS_BETTER`).
 
 An answer that cannot be parsed counts as wrong in every accuracy and is counted (`unparsed`); error
 means (absolute, relative, minutes) are over the parsed answers only, with `parsed` saying how many.
@@ -15,6 +16,20 @@ from collections.abc import Sequence
 NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?")
 CLOCK = re.compile(r"(\d{1,2})\s*:\s*(\d{2})")
 MINUTES_ON_DIAL = 12 * 60
+
+# Scores shown per task, the first one the numeric error a comparison is about (lower is better unless
+# listed in HIGHER_IS_BETTER). Any other task name is scored and shown as a number task.
+TASK_METRICS = {
+    "clock": ("clock_dev_minutes", "clock_acc", "parse_rate"),
+    "boxes": ("coord_mae", "acc@0.5", "iou", "parse_rate"),
+    "chart": ("abs_error", "rel_error", "exact_match", "parse_rate"),
+    "arithmetic": ("abs_error", "rel_error", "exact_match", "parse_rate"),
+}
+HIGHER_IS_BETTER = {"clock_acc", "acc@0.5", "iou", "exact_match", "parse_rate", "digit_acc"}
+
+
+def metrics_shown(task: str) -> tuple[str, ...]:
+    return TASK_METRICS.get(task, TASK_METRICS["arithmetic"])
 
 
 def normalize(text: str) -> str:

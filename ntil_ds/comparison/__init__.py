@@ -1,0 +1,8 @@
+"""Does NTIL help on this task? One recipe trained under several losses and seeds, every run scored on
+the test split, the losses compared (``launch/compare.py`` is the command).
+
+- :mod:`~ntil_ds.comparison.results`: the runs' records and their aggregation (mean +- sample std over
+  seeds, the change against the baseline, the table); pure, unit-tested on hand-computed cases.
+- :mod:`~ntil_ds.comparison.grid`: the grid itself: training jobs through the real launcher, scoring,
+  the outputs rewritten after every run, the MLflow parent run (``ntil_ds.tracking.mlflow_comparison``).
+"""

@@ -1,0 +1,258 @@
+"""The comparison grid: every (loss, seed) a real training job through the ``deepspeed`` launcher, then
+its exported model scored on the test split; the outputs rewritten after every run, so a long grid can
+be read (and survives being stopped) while it goes on.
+
+Writes under ``plan.out``: ``results.json`` (every run: status, metrics, wall times, the error of a
+failed run; mean/std per loss; the scores logged while training, per seed), ``table.md``,
+``comparison.png``, ``curves.png`` (each score against the step: a line per loss, the seeds' spread as a
+band; when the runs evaluate while training, eval.generate_every > 0), ``runs/<loss>-seed<seed>/`` (each
+job's folder and ``train.log``), and one MLflow parent run with a child per training job. A run that
+fails is reported in all of them, never dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ntil_ds.comparison.results import RunResult, change_vs, score_curves, slug, summarize, table_markdown
+from ntil_ds.config import ConfigError, load_config, redact_uri
+from ntil_ds.data.synthetic import write_dataset
+from ntil_ds.evaluation.generate import score_exported_model, task_of, write_report
+from ntil_ds.jobs import log_tail, run_training_job
+from ntil_ds.scoring import HIGHER_IS_BETTER, metrics_shown
+from ntil_ds.tiny import build_tiny_model_folder
+from ntil_ds.tracking import resolve_tracking_uri, take_uri_credentials
+from ntil_ds.tracking.mlflow_comparison import ComparisonRuns
+from ntil_ds.tracking.plots import plot_comparison, plot_comparison_curves
+
+
+def prepare_inputs(out: Path, tiny_model: str | None, data: str | None) -> list[str]:
+    """A tiny model folder (``KIND[:SIZE]``) and synthetic data (``TASK:N[:DIFFICULTY]``) under ``out``,
+    when asked: the overrides pointing the recipe at them."""
+    overrides = []
+    if tiny_model:
+        kind, _, size = tiny_model.partition(":")
+        folder = build_tiny_model_folder(kind, out / "model", **({"size": size} if size else {}))
+        overrides += [f"model.name_or_path={folder}", "model.init=random"]
+    if data:
+        task, n, *difficulty = data.split(":")
+        splits = write_dataset(
+            task, int(n), out / "data", seed=0, difficulty=difficulty[0] if difficulty else "standard"
+        )
+        overrides += [f"data.train_file={splits['train']}", f"data.eval_file={splits['val']}"]
+    return overrides
+
+
+@dataclass(frozen=True)
+class ComparisonPlan:
+    """What the grid trains and scores, fixed before the first job starts."""
+
+    recipe: Path
+    out: Path
+    specs: list[tuple[str, str, list[str]]]  # (label, loss name, overrides): comparison.results
+    seeds: list[int]
+    nproc: int
+    base_overrides: list[str]  # for every run, after the recipe
+    test_split: Path
+    task: str
+    metrics: tuple[str, ...]  # shown; the first is the numeric error the comparison is about
+    uri: str  # MLflow
+    experiment: str
+    name: str
+    command: str  # as the user typed it, for results.json
+
+    @property
+    def baseline(self) -> str:
+        return next((label for label, loss, _ in self.specs if loss == "ce"), self.specs[0][0])
+
+    def run_name(self, label: str, seed: int) -> str:
+        return f"{self.name}/{slug(label)}-seed{seed}"
+
+    def run_dir(self, label: str, seed: int) -> Path:
+        return self.out / "runs" / f"{slug(label)}-seed{seed}"
+
+
+def plan_comparison(
+    recipe: Path,
+    out: Path,
+    specs: list[tuple[str, str, list[str]]],
+    seeds: list[int],
+    *,
+    nproc: int,
+    overrides: list[str],
+    test_split: Path | None,
+    task: str | None,
+    command: str,
+) -> ComparisonPlan:
+    """Check the recipe once (a bad recipe or override fails here, not in every job) and fix the plan."""
+    cfg = load_config(recipe, overrides)
+    test = Path(test_split or Path(cfg.data.train_file).with_name("test.jsonl"))
+    if not test.is_file():
+        raise SystemExit(f"test split {test} does not exist; give --test FILE (a JSONL of the task)")
+    task = task or task_of(test)
+    return ComparisonPlan(
+        recipe=recipe,
+        out=out,
+        specs=specs,
+        seeds=seeds,
+        nproc=nproc,
+        # Written to results.json and the parent run's params: without credentials (the jobs get the
+        # URI below, clean, and inherit the credentials through the environment).
+        base_overrides=[redact_uri(override) for override in overrides],
+        test_split=test,
+        task=task,
+        metrics=metrics_shown(task),
+        # Credentials in the URI go into this process's environment, which every job inherits.
+        uri=take_uri_credentials(
+            resolve_tracking_uri(cfg.tracking.uri, out, os.environ.get("MLFLOW_TRACKING_URI"))
+        ),
+        experiment=cfg.tracking.experiment,
+        name=f"compare-{recipe.stem}-{time.strftime('%Y%m%d-%H%M%S')}",
+        command=redact_uri(command),
+    )
+
+
+@dataclass
+class Comparison:
+    plan: ComparisonPlan
+    runs: list[RunResult] = field(default_factory=list)
+    started: float = field(default_factory=time.perf_counter)
+
+    def run(self) -> dict:
+        """Every (loss, seed), seed-major (a grid cut short still has every loss for the first seeds);
+        returns the final report."""
+        plan = self.plan
+        mlflow_runs = ComparisonRuns(
+            plan.uri,
+            plan.experiment,
+            plan.name,
+            {
+                "recipe": str(plan.recipe),
+                "losses": ",".join(label for label, _, _ in plan.specs),
+                "seeds": ",".join(map(str, plan.seeds)),
+                "nproc": str(plan.nproc),
+                "overrides": " ".join(plan.base_overrides),
+                "test_split": str(plan.test_split),
+                "task": plan.task,
+            },
+        )
+        total = len(plan.specs) * len(plan.seeds)
+        grid = f"{len(plan.specs)} losses x {len(plan.seeds)} seeds on {plan.task}"
+        print(f"comparison {plan.name}: {grid}; MLflow {plan.uri}", flush=True)
+        report = {}
+        for seed in plan.seeds:
+            for label, loss, loss_overrides in plan.specs:
+                run = RunResult(label=label, loss=loss, seed=seed, output_dir=str(plan.run_dir(label, seed)))
+                self.runs.append(run)
+                print(f"\n=== [{len(self.runs)}/{total}] {label} seed {seed} -> {run.output_dir}", flush=True)
+                self.run_one(run, loss_overrides)
+                mlflow_runs.adopt(run, plan.run_name(label, seed))
+                shown = ", ".join(
+                    f"{m} {run.metrics[m]:.4g}" for m in plan.metrics if isinstance(run.metrics.get(m), float)
+                )
+                took = f"train {run.train_s or 0:.0f} s"
+                print(f"=== {label} seed {seed}: {run.status} {run.stage} {shown} ({took})", flush=True)
+                report = self.write(mlflow_runs.parent)
+        mlflow_runs.finish(
+            {slug(label): stats for label, stats in report["summary"].items()},
+            [
+                p
+                for p in (plan.out / n for n in ("results.json", "table.md", "comparison.png", "curves.png"))
+                if p.is_file()
+            ],
+            any_failed=bool(report["failed"]),
+        )
+        print(
+            f"\n{(plan.out / 'table.md').read_text()}\nresults: {plan.out / 'results.json'}\n"
+            f"plot:    {plan.out / 'comparison.png'}\nMLflow:  parent run {mlflow_runs.parent} in {plan.uri}\n"
+            f"wall time {report['wall_s']:.0f} s"
+        )
+        return report
+
+    def run_one(self, run: RunResult, loss_overrides: list[str]) -> None:
+        """Train one job and score its export; a failure is recorded in ``run`` (the grid goes on)."""
+        plan = self.plan
+        run_dir = Path(run.output_dir)
+        overrides = [
+            *plan.base_overrides,
+            *loss_overrides,
+            f"train.seed={run.seed}",
+            f"output_dir={run_dir}",
+            "resume=none",
+            "tracking.enabled=true",
+            f"tracking.uri={plan.uri}",
+            f"tracking.run_name={plan.run_name(run.label, run.seed)}",
+            "train.export_at_end=true",
+        ]
+        try:
+            load_config(
+                plan.recipe, overrides
+            )  # a loss spec's bad override: this run fails, the others go on
+        except ConfigError as e:
+            run.status, run.stage, run.error = "failed", "config", str(e)
+            return
+        if run_dir.exists():
+            shutil.rmtree(run_dir)  # a fresh run (never resume an earlier comparison's job)
+        run_dir.mkdir(parents=True)
+        started = time.perf_counter()
+        log = run_dir / "train.log"
+        run.exit_code = run_training_job(plan.recipe, overrides, nproc=plan.nproc, log_path=log).returncode
+        run.train_s = time.perf_counter() - started
+        if run.exit_code != 0:
+            run.status, run.stage = "failed", "train"
+            run.error = f"exit code {run.exit_code}; last lines of {log}:\n{log_tail(log)}"
+            return
+        started = time.perf_counter()
+        try:
+            report = score_exported_model(run_dir / "export", plan.test_split, plan.task, batch_size=32)
+            write_report(report, run_dir / "eval_test.json")
+        except Exception as e:  # one bad run must not end the comparison
+            run.status, run.stage = "failed", "evaluate"
+            run.error = "".join(traceback.format_exception_only(type(e), e)).strip()
+            return
+        run.eval_s = time.perf_counter() - started
+        run.metrics = report["metrics"]
+        run.status = "ok"
+
+    def write(self, parent_run_id: str) -> dict:
+        """results.json, table.md and comparison.png from the runs so far; returns the report."""
+        plan, runs = self.plan, self.runs
+        summary = summarize(runs, plan.metrics)
+        baseline = plan.baseline
+        report = {
+            "name": plan.name,
+            "recipe": str(plan.recipe),
+            "command": plan.command,
+            "task": plan.task,
+            "test_split": str(plan.test_split),
+            "losses": [label for label, _, _ in plan.specs],
+            "seeds": plan.seeds,
+            "nproc": plan.nproc,
+            "overrides": plan.base_overrides,
+            "metrics": list(plan.metrics),
+            "baseline": baseline,
+            "summary": summary,
+            "change_vs_baseline": {
+                label: change_vs(summary, label, baseline, plan.metrics[0]) for label in summary
+            },
+            "curves": score_curves(runs, plan.metrics),  # scores while training, per seed
+            "complete": len(runs) == len(plan.specs) * len(plan.seeds),
+            "runs": [asdict(r) for r in runs],
+            "failed": [f"{r.label} seed {r.seed}" for r in runs if r.status != "ok"],
+            "mlflow": {"uri": plan.uri, "experiment": plan.experiment, "parent_run_id": parent_run_id},
+            "wall_s": time.perf_counter() - self.started,
+        }
+        (plan.out / "results.json").write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
+        (plan.out / "table.md").write_text(table_markdown(runs, summary, plan.metrics, baseline))
+        title = f"{plan.recipe.stem}: {plan.task}, seeds {','.join(map(str, plan.seeds))}"
+        plot_comparison(summary, plan.metrics, plan.out / "comparison.png", title, HIGHER_IS_BETTER)
+        plot_comparison_curves(
+            report["curves"], plan.metrics, plan.out / "curves.png", f"{title}: during training"
+        )
+        return report

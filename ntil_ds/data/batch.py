@@ -1,0 +1,75 @@
+"""`MicroBatch`: one collated micro-batch, what the model and the loss each take from it, and where it
+came from.
+
+Everything the training step needs to know about a micro-batch on the host (how many targets it has,
+how many real input tokens) is counted here, on the CPU tensors, where the micro-batch is made (in the
+data loader's workers when ``data.num_workers > 0``): the step never reads a device tensor to learn it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ntil_ds.constants import IGNORE_INDEX
+from ntil_ds.data.packing import PACKING_KEYS
+
+# Keys of a collated batch that are not model inputs: the aligned targets, and what only the loss reads.
+NOT_MODEL_INPUTS = ("targets", *PACKING_KEYS)
+
+
+@dataclass
+class MicroBatch:
+    """A collated micro-batch (``tensors``, CPU or pinned) and its sample ids in the data file."""
+
+    sample_ids: list[int]
+    tensors: dict[str, torch.Tensor]  # the collator's output: model inputs, ``targets``, packing keys
+    num_targets: int = field(init=False)  # positions with a target (the loss's token count)
+    num_input_tokens: int = field(init=False)  # real input tokens (attention_mask 1): the throughput
+
+    def __post_init__(self) -> None:
+        self.num_targets = int((self.tensors["targets"] != IGNORE_INDEX).sum())
+        self.num_input_tokens = int(self.tensors["attention_mask"].sum())
+
+    @property
+    def packed(self) -> bool:
+        return "unpack_index" in self.tensors
+
+    @property
+    def targets(self) -> torch.Tensor:
+        """``[B, T]`` token ids aligned with the model's outputs (IGNORE_INDEX where not trained on)."""
+        return self.tensors["targets"]
+
+    def model_inputs(self, device: torch.device, float_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """The model's keyword arguments on ``device`` (asynchronous copies from pinned memory), floating
+        tensors (pixels) in the model's dtype. A packed batch goes without attention_mask: transformers
+        then separates the samples by their restarting position_ids (ntil_ds/data/packing.py)."""
+        skip = {*NOT_MODEL_INPUTS, *(("attention_mask",) if self.packed else ())}
+        return {
+            key: value.to(
+                device, dtype=float_dtype if value.is_floating_point() else value.dtype, non_blocking=True
+            )
+            for key, value in self.tensors.items()
+            if key not in skip
+        }
+
+    def loss_inputs(self, device: torch.device) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """``(targets, extra)`` on ``device``: ``extra`` holds ``unpack_index`` for a packed batch (NTIL's
+        per-sequence terms per packed sample), nothing otherwise."""
+        extra = {
+            key: self.tensors[key].to(device, non_blocking=True)
+            for key in PACKING_KEYS
+            if key in self.tensors
+        }
+        return self.targets.to(device, non_blocking=True), extra
+
+    def without_targets(self) -> MicroBatch:
+        """The same inputs with every target ignored: a filler forward that trains and scores nothing (a
+        rank with fewer evaluation samples runs it so every rank runs as many forwards)."""
+        tensors = dict(self.tensors, targets=torch.full_like(self.targets, IGNORE_INDEX))
+        return MicroBatch(sample_ids=[], tensors=tensors)
+
+    def pin_memory(self) -> MicroBatch:
+        """Called by the data loader's pinning thread (``pin_memory=True`` on CUDA)."""
+        return MicroBatch(self.sample_ids, {key: value.pin_memory() for key, value in self.tensors.items()})

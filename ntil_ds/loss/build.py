@@ -1,0 +1,54 @@
+"""The loss a recipe asks for (``cfg.loss``), and what each loss cannot run on."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from ntil_ds.config import Config, ConfigError
+from ntil_ds.constants import IGNORE_INDEX
+from ntil_ds.loss.ntil import NTILLoss
+from ntil_ds.loss.ntl import NTLLoss
+from ntil_ds.loss.tokenizer import digit_token_ids_from_tokenizer, number_sign_and_point_ids_from_tokenizer
+
+
+def build_loss(cfg: Config, tokenizer: Any) -> NTILLoss | NTLLoss:
+    """NTILLoss from ``cfg.loss``: ``ce`` is NTIL with lambda 0 (parts still reported, no gradient);
+    ``emd`` drops the sequence-level terms (the paper's EMD-only baseline); ``ntl`` is that ``ce`` plus
+    the ntloss package's number token loss (:mod:`ntil_ds.loss.ntl`)."""
+    c = cfg.loss
+    if c.name == "ntl":
+        return NTLLoss(
+            build_loss(replace(cfg, loss=replace(c, name="ce")), tokenizer), tokenizer, c.ntl_lambda
+        )
+    point_id = minus_id = None
+    if c.decimal_numbers or c.signed_numbers:
+        minus_id, point_id = number_sign_and_point_ids_from_tokenizer(tokenizer)
+    return NTILLoss(
+        digit_token_ids=digit_token_ids_from_tokenizer(tokenizer),
+        ntil_lambda=0.0 if c.name == "ce" else c.ntil_lambda,
+        digit_alpha=c.digit_alpha,
+        abs_alpha=0.0 if c.name == "emd" else c.abs_alpha,
+        mag_alpha=0.0 if c.name == "emd" else c.mag_alpha,
+        digit_exp=c.digit_exp,
+        gumbel_tau=c.gumbel_tau,
+        gumbel_noise_scale=c.gumbel_noise_scale,
+        ignore_index=IGNORE_INDEX,
+        decimal_numbers=c.decimal_numbers,
+        signed_numbers=c.signed_numbers,
+        decimal_point_id=point_id,
+        minus_sign_id=minus_id,
+        kernel=c.kernel,  # loss.name=ntl gets both through its inner ce loss (the recursion above)
+        number_stage=c.number_stage,
+    )
+
+
+def check_loss_supports(cfg: Config, *, vocab_parallel: bool) -> None:
+    """Raise ConfigError when the recipe's loss cannot run on this model's logits: ntloss needs the full
+    vocabulary at every position. (Packing, which it cannot run on either, is refused by the config.)"""
+    if cfg.loss.name == "ntl" and vocab_parallel:
+        raise ConfigError(
+            "loss.name=ntl cannot run on vocabulary-parallel logits (autotp_size > 1 shards the LM head; "
+            "ntloss needs the full vocabulary): use loss.name=ntil, emd or ce, or train without tensor "
+            "parallelism"
+        )
