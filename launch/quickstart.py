@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ntil_ds.config import load_config
+from ntil_ds.config import load_config, redact_uri
 from ntil_ds.data.synthetic import write_dataset
 from ntil_ds.dist import free_port
 from ntil_ds.jobs import REPO_ROOT, TRAIN_SCRIPT, job_env, launcher_command, train_args
@@ -159,7 +159,7 @@ def main() -> None:
 
     train = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     curve = [(r["step"], r["loss"]) for r in train if r["split"] == "train"]
-    uri = resolve_tracking_uri(cfg.tracking.uri, run_dir, os.environ.get("MLFLOW_TRACKING_URI"))
+    uri = redact_uri(resolve_tracking_uri(cfg.tracking.uri, run_dir, os.environ.get("MLFLOW_TRACKING_URI")))
     print("\n=== quickstart finished in", f"{time.perf_counter() - started:.0f} s")
     print(
         "loss curve (step: loss):", ", ".join(f"{s}: {v:.3f}" for s, v in curve[:: max(1, len(curve) // 12)])

@@ -13,6 +13,7 @@ the code that knows those things, and raise :class:`ConfigError` too.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -166,6 +167,8 @@ class EvalConfig:
 class TrackingConfig:
     enabled: bool = True
     # Empty: MLFLOW_TRACKING_URI if set, else sqlite:///<output_dir>/mlflow.db (embedded store).
+    # Credentials: MLFLOW_TRACKING_USERNAME / _PASSWORD / _TOKEN in the environment (docs/tracking.md);
+    # a user:password@ in the URI is taken the same way and never written (redact_uri).
     uri: str = ""
     experiment: str = "ntil-ds"
     run_name: str = ""  # empty: derived from the recipe name and start time
@@ -337,8 +340,33 @@ def gradient_accumulation_steps(cfg: Config, data_parallel_size: int) -> int:
 # Output
 
 
+# scheme://userinfo@ : the userinfo runs to the last @ before the host's end (/ ? # or a space).
+_URI_USERINFO = re.compile(r"\b([A-Za-z][A-Za-z0-9+.-]*://)[^/?#\s]*@")
+
+
+def redact_uri(text: str) -> str:
+    """``text`` with the userinfo (credentials) of every URI in it removed:
+    ``https://user:token@host:5000/x`` -> ``https://host:5000/x``.
+
+    Whatever the project writes or prints that may hold a URI goes through this: the resolved config
+    (config.yaml, MLflow params), tracking's log lines and the comparison outputs.
+    """
+    return _URI_USERINFO.sub(r"\1", text)
+
+
 def to_dict(cfg: Config) -> dict[str, Any]:
-    return dataclasses.asdict(cfg)
+    """The config as it may be written or shown: credentials in URIs removed (:func:`redact_uri`)."""
+
+    def shown(value: Any) -> Any:
+        if isinstance(value, str):
+            return redact_uri(value)
+        if isinstance(value, dict):
+            return {key: shown(item) for key, item in value.items()}
+        if isinstance(value, list):
+            return [shown(item) for item in value]
+        return value
+
+    return shown(dataclasses.asdict(cfg))
 
 
 def flatten(cfg: Config) -> dict[str, Any]:
@@ -357,7 +385,8 @@ def flatten(cfg: Config) -> dict[str, Any]:
 
 
 def save_config(cfg: Config, path: str | Path) -> Path:
-    """Write the resolved config as YAML; loading that file gives back an equal Config."""
+    """Write the resolved config as YAML; loading that file gives back an equal Config (less the
+    credentials of a URI, which are never written: :func:`to_dict`)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))

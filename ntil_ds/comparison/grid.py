@@ -21,13 +21,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ntil_ds.comparison.results import RunResult, change_vs, score_curves, slug, summarize, table_markdown
-from ntil_ds.config import ConfigError, load_config
+from ntil_ds.config import ConfigError, load_config, redact_uri
 from ntil_ds.data.synthetic import write_dataset
 from ntil_ds.evaluation.generate import score_exported_model, task_of, write_report
 from ntil_ds.jobs import log_tail, run_training_job
 from ntil_ds.scoring import HIGHER_IS_BETTER, metrics_shown
 from ntil_ds.tiny import build_tiny_model_folder
-from ntil_ds.tracking import resolve_tracking_uri
+from ntil_ds.tracking import resolve_tracking_uri, take_uri_credentials
 from ntil_ds.tracking.mlflow_comparison import ComparisonRuns
 from ntil_ds.tracking.plots import plot_comparison, plot_comparison_curves
 
@@ -102,14 +102,19 @@ def plan_comparison(
         specs=specs,
         seeds=seeds,
         nproc=nproc,
-        base_overrides=overrides,
+        # Written to results.json and the parent run's params: without credentials (the jobs get the
+        # URI below, clean, and inherit the credentials through the environment).
+        base_overrides=[redact_uri(override) for override in overrides],
         test_split=test,
         task=task,
         metrics=metrics_shown(task),
-        uri=resolve_tracking_uri(cfg.tracking.uri, out, os.environ.get("MLFLOW_TRACKING_URI")),
+        # Credentials in the URI go into this process's environment, which every job inherits.
+        uri=take_uri_credentials(
+            resolve_tracking_uri(cfg.tracking.uri, out, os.environ.get("MLFLOW_TRACKING_URI"))
+        ),
         experiment=cfg.tracking.experiment,
         name=f"compare-{recipe.stem}-{time.strftime('%Y%m%d-%H%M%S')}",
-        command=command,
+        command=redact_uri(command),
     )
 
 

@@ -20,7 +20,7 @@ import them lazily (``build`` on the main rank of a tracked job only).
 """
 
 from ntil_ds.tracking.base import NullTracker, Tracker, TrackingError
-from ntil_ds.tracking.build import build_tracker, resolve_tracking_uri
+from ntil_ds.tracking.build import build_tracker, resolve_tracking_uri, take_uri_credentials
 from ntil_ds.tracking.tags import default_tags
 
 __all__ = [
@@ -30,4 +30,5 @@ __all__ = [
     "build_tracker",
     "default_tags",
     "resolve_tracking_uri",
+    "take_uri_credentials",
 ]

@@ -12,6 +12,8 @@ import os
 import sys
 from pathlib import Path
 
+from ntil_ds.tracking.build import take_uri_credentials
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ntil_ds.tracking", description=__doc__.splitlines()[0])
@@ -21,7 +23,8 @@ def main(argv: list[str] | None = None) -> int:
     importer.add_argument(
         "--uri",
         default=os.environ.get("MLFLOW_TRACKING_URI", ""),
-        help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI), e.g. http://mlflow:5000 or sqlite:///x.db",
+        help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI), e.g. http://mlflow:5000 or sqlite:///x.db; "
+        "credentials: MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN)",
     )
     args = parser.parse_args(argv)
     if not args.journal.is_file():
@@ -31,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from ntil_ds.tracking.mlflow_import import import_journal
 
-    for session, writer in import_journal(args.journal, args.uri):
+    for session, writer in import_journal(args.journal, take_uri_credentials(args.uri)):
         print(
             f"session {session}: run {writer.run_id}: {writer.sent_metrics} metric values sent, "
             f"{writer.repeated_metrics} already there"

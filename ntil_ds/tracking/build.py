@@ -1,8 +1,13 @@
-"""Which tracker a process gets, and where its runs go.
+"""Which tracker a process gets, where its runs go, and with which credentials.
 
 :func:`build_tracker` gives the main rank of a tracked job an MLflow tracker and every other process a
 :class:`~ntil_ds.tracking.base.NullTracker`. The MLflow tracker is imported inside the function: mlflow
 costs ~1.6 s to import, and only the main rank of a tracked job pays it.
+
+Credentials are taken the way MLflow takes them, from ``MLFLOW_TRACKING_USERNAME`` /
+``MLFLOW_TRACKING_PASSWORD`` or ``MLFLOW_TRACKING_TOKEN`` in the environment. A URI that holds them
+(``https://user:token@host``) is split by :func:`take_uri_credentials`: the credentials go into those
+variables of this process, and only the URI without them is used, logged or written.
 """
 
 from __future__ import annotations
@@ -10,8 +15,9 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+from urllib.parse import unquote, urlsplit
 
-from ntil_ds.config import TrackingConfig
+from ntil_ds.config import TrackingConfig, redact_uri
 from ntil_ds.tracking.base import NullTracker, Tracker
 
 
@@ -26,6 +32,27 @@ def resolve_tracking_uri(configured: str, output_dir: Path, env_uri: str | None)
     if env_uri:
         return env_uri
     return f"sqlite:///{(Path(output_dir) / 'mlflow.db').resolve()}"
+
+
+def take_uri_credentials(uri: str) -> str:
+    """``uri`` without its userinfo, which becomes this process's MLflow credentials.
+
+    ``user:password@`` sets ``MLFLOW_TRACKING_USERNAME`` and ``MLFLOW_TRACKING_PASSWORD`` (HTTP basic
+    auth, e.g. ``mlflow server --app-name basic-auth``), a bare ``token@`` sets ``MLFLOW_TRACKING_TOKEN``
+    (a bearer token); percent-escapes are decoded. They replace what the environment held: the URI is
+    the more specific setting, as ``tracking.uri`` beats ``MLFLOW_TRACKING_URI``. MLflow's client reads
+    them at every request; child processes started afterwards inherit them.
+    """
+    clean = redact_uri(uri)
+    if clean == uri:
+        return uri
+    parts = urlsplit(uri)
+    if parts.password is None:
+        os.environ["MLFLOW_TRACKING_TOKEN"] = unquote(parts.username or "")
+    else:
+        os.environ["MLFLOW_TRACKING_USERNAME"] = unquote(parts.username or "")
+        os.environ["MLFLOW_TRACKING_PASSWORD"] = unquote(parts.password)
+    return clean
 
 
 def build_tracker(
@@ -52,8 +79,10 @@ def build_tracker(
 
     output_dir = Path(output_dir)
     # The one place the library reads MLFLOW_TRACKING_URI (the documented fallback for tracking.uri);
-    # every MLflow client below gets the resolved URI explicitly.
-    uri = resolve_tracking_uri(cfg.uri, output_dir, os.environ.get("MLFLOW_TRACKING_URI"))
+    # every MLflow client below gets the resolved URI explicitly, without credentials.
+    uri = take_uri_credentials(
+        resolve_tracking_uri(cfg.uri, output_dir, os.environ.get("MLFLOW_TRACKING_URI"))
+    )
     return MlflowTracker(
         uri=uri,
         experiment=cfg.experiment,

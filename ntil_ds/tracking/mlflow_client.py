@@ -44,11 +44,27 @@ def bound_http_retries() -> None:
         os.environ.setdefault(name, value)
 
 
+# MLflow 3's UI shows an experiment as GenAI (traces, prompts, judges) or as model training (runs,
+# their charts). The kind is this experiment tag ("Machine learning" in the UI's experiment-type
+# menu), and in 3.17's UI a global switch that the address can set: ?workflowType=machine_learning.
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+MODEL_TRAINING_KIND = "custom_model_development"
+_MODEL_TRAINING_VIEW = "workflowType=machine_learning"
+_MLFLOW_UI = "http://127.0.0.1:5000"  # where `mlflow ui` serves by default
+
+
 def ui_hint(uri: str) -> str:
     """How a user looks at runs in ``uri``."""
     if uri.startswith(("http://", "https://")):
         return f"open {uri} in a browser"
     return f"mlflow ui --backend-store-uri {uri}"
+
+
+def run_address(uri: str, experiment: str, run_id: str) -> str:
+    """The run's charts in the MLflow UI: on the server of ``uri``, or behind ``mlflow ui`` for a
+    local store. Opens on the model-training view, not the GenAI one."""
+    server = uri.rstrip("/") if uri.startswith(("http://", "https://")) else _MLFLOW_UI
+    return f"{server}/#/experiments/{experiment}/runs/{run_id}/model-metrics?{_MODEL_TRAINING_VIEW}"
 
 
 def local_artifact_location(uri: str) -> str | None:
@@ -181,16 +197,26 @@ class RunWriter:
 
 
 def experiment_id(client: MlflowClient, name: str, artifact_location: str | None) -> str:
-    """The id of experiment ``name``, created if missing (two jobs creating it at once both get it)."""
+    """The id of experiment ``name``, created if missing (two jobs creating it at once both get it),
+    tagged as model training unless it has a kind already (one chosen in the UI is kept)."""
     experiment = client.get_experiment_by_name(name)
-    if experiment is not None:
-        return experiment.experiment_id
-    try:
-        return client.create_experiment(name, artifact_location=artifact_location)
-    except MlflowException as e:
-        if e.error_code != "RESOURCE_ALREADY_EXISTS":  # another job created it just now
-            raise
-        return client.get_experiment_by_name(name).experiment_id
+    if experiment is None:
+        try:
+            return client.create_experiment(
+                name, artifact_location=artifact_location, tags={EXPERIMENT_KIND_TAG: MODEL_TRAINING_KIND}
+            )
+        except MlflowException as e:
+            if e.error_code != "RESOURCE_ALREADY_EXISTS":  # another job created it just now
+                raise
+            experiment = client.get_experiment_by_name(name)
+    if EXPERIMENT_KIND_TAG not in experiment.tags:  # made by an older ntil-ds, or another tool
+        try:
+            client.set_experiment_tag(experiment.experiment_id, EXPERIMENT_KIND_TAG, MODEL_TRAINING_KIND)
+        except MlflowException as e:
+            if not _is_permanent(e):  # may log runs but not edit the experiment: the runs matter
+                raise
+            logger.warning("experiment %s keeps no %s tag: %s", name, EXPERIMENT_KIND_TAG, e.message)
+    return experiment.experiment_id
 
 
 def existing_run(client: MlflowClient, run_id: str | None) -> Any:
@@ -215,8 +241,7 @@ def reopen_run(client: MlflowClient, run: Any, tags: dict[str, str]) -> None:
         client.log_batch(run.info.run_id, tags=tag_list[i : i + MAX_PARAMS_TAGS_PER_BATCH], synchronous=True)
 
 
-def create_run(client: MlflowClient, start: dict[str, Any], tags: dict[str, str]) -> str:
-    """A new run as a journal's ``start`` record describes it; returns its id."""
+def create_run(client: MlflowClient, start: dict[str, Any], tags: dict[str, str]) -> Any:
+    """A new run as a journal's ``start`` record describes it."""
     experiment = experiment_id(client, start["experiment"], start["artifact_location"])
-    run = client.create_run(experiment, run_name=start["run_name"], tags=tags)
-    return run.info.run_id
+    return client.create_run(experiment, run_name=start["run_name"], tags=tags)

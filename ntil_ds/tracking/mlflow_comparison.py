@@ -9,14 +9,15 @@ from typing import Any
 
 from mlflow import MlflowClient
 
+from ntil_ds.tracking.mlflow_client import experiment_id, local_artifact_location
 from ntil_ds.tracking.step_log import metric_key
 
 
 class ComparisonRuns:
     def __init__(self, uri: str, experiment: str, name: str, params: dict[str, str]) -> None:
         self.client = MlflowClient(uri)
-        found = self.client.get_experiment_by_name(experiment)
-        self.experiment_id = found.experiment_id if found else self.client.create_experiment(experiment)
+        # As the jobs' trackers do: tagged as model training, artifacts of a sqlite store next to it.
+        self.experiment_id = experiment_id(self.client, experiment, local_artifact_location(uri))
         self.parent = self.client.create_run(
             self.experiment_id, run_name=name, tags={"ntil_ds.comparison": "parent"}
         ).info.run_id

@@ -62,7 +62,7 @@ def import_journal(journal: Path, uri: str) -> list[tuple[str, RunWriter]]:
                 found[0].info.run_id
                 if found
                 else create_run(client, {**start, "artifact_location": local_artifact_location(uri)},
-                                {**start["tags"], "ntil_ds.journal_run": lineage})
+                                {**start["tags"], "ntil_ds.journal_run": lineage}).info.run_id
             )  # fmt: skip
         else:
             run_id = run.info.run_id

@@ -35,6 +35,7 @@ from ntil_ds.tracking.mlflow_client import (
     existing_run,
     local_artifact_location,
     reopen_run,
+    run_address,
     ui_hint,
 )
 from ntil_ds.tracking.mlflow_system import SAMPLE_INTERVAL_S, SystemSampler
@@ -100,6 +101,7 @@ class MlflowTracker:
         }
         self._append("start", **self._start)
         self._run_id = run_id
+        self._experiment_id: str | None = None  # known once the store opened or created the run
         self._writer: RunWriter | None = None
         self._down = False
         self._warned = False
@@ -116,19 +118,22 @@ class MlflowTracker:
         _quiet_sender_retries()
         self._thread = threading.Thread(target=self._send_loop, name=_SENDER_THREAD, daemon=True)
         self._thread.start()
-        # Waited for, whatever it takes (bounded by mlflow_client's HTTP policy): the trainer saves the run id
-        # in its checkpoints, and without it a resumed job could not continue the run.
+        # Waited for, whatever it takes (bounded by mlflow_client's HTTP policy): the trainer saves the
+        # run id in its checkpoints, and without it a resumed job could not continue the run.
         self._started.wait()
         if self._start_error is not None and required:
             self._journal.close()
             raise TrackingError(
                 f"tracking.required is true but the MLflow store {uri!r} cannot be used: "
                 f"{self._start_error}. Start the tracking server or fix tracking.uri / "
-                "MLFLOW_TRACKING_URI, or set tracking.required=false to train anyway (records are then "
+                "MLFLOW_TRACKING_URI (credentials: MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD, "
+                "or MLFLOW_TRACKING_TOKEN), or set tracking.required=false to train anyway (records are then "
                 f"kept in {self._journal.path} and sent when the store is back)."
             ) from self._start_error
         if self._run_id is not None:
-            logger.info("MLflow run %s in %s (%s)", self._run_id, uri, ui_hint(uri))
+            logger.info(
+                "MLflow run %s in %s (%s); its charts: %s", self._run_id, uri, ui_hint(uri), self._address()
+            )
 
     # ---- the Tracker interface (training thread) ----------------------------------------------------
 
@@ -192,8 +197,13 @@ class MlflowTracker:
                 "when the store is back: python -m ntil_ds.tracking import %s --uri %s",
                 unsent, self._run_id or "not created yet", self.uri, self._journal.path, self._journal.path, self.uri,
             )  # fmt: skip
+        if self._experiment_id is not None:
+            logger.info("MLflow run %s ended %s; its charts: %s", self._run_id, status, self._address())
 
     # ---- internals ---------------------------------------------------------------------------------
+
+    def _address(self) -> str:
+        return run_address(self.uri, self._experiment_id, self._run_id)
 
     def _record(self, kind: str, **fields: Any) -> None:
         if self._finished:
@@ -237,8 +247,9 @@ class MlflowTracker:
         else:
             if self._run_id is not None:
                 logger.warning("run %s is not in %s: starting a new run", self._run_id, self.uri)
-            run_id = create_run(client, self._start, tags)
-            self._writer = RunWriter(client, run_id, fresh=True)
+            run = create_run(client, self._start, tags)
+            self._writer = RunWriter(client, run.info.run_id, fresh=True)
+        self._experiment_id = run.info.experiment_id
         self._run_id = self._writer.run_id
         self._append("run", run_id=self._run_id)
 

@@ -10,17 +10,15 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from ntil_ds.config import Config, TrackingConfig, flatten
+from tests.distributed.mlflow_server import MlflowServer
 
 pytestmark = pytest.mark.distributed
 
@@ -28,64 +26,6 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 JOB = REPO_ROOT / "tests" / "distributed" / "tracking_job.py"
 EXPERIMENT = "tracking-test"  # tracking_job.py's default
 STEP_KEYS = ("train/loss", "train/grad_norm", "train/lr", "train/step_time_s")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class MlflowServer:
-    """``mlflow server`` with a sqlite backend on loopback, in its own process group (it forks uvicorn)."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.port = free_port()
-        self.uri = f"http://127.0.0.1:{self.port}"
-        self.proc: subprocess.Popen | None = None
-
-    def start(self, timeout_s: float = 240) -> None:
-        cmd = [
-            sys.executable,
-            "-m",
-            "mlflow",
-            "server",
-            "--backend-store-uri",
-            f"sqlite:///{self.root / 'server.db'}",
-            "--artifacts-destination",
-            str(self.root / "artifacts"),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--workers",
-            "1",
-        ]
-        # The server's background job runner is not needed and costs CPU on a 2-core machine.
-        env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-        log = (self.root / "server.log").open("ab")
-        self.proc = subprocess.Popen(
-            cmd, env=env, stdout=log, stderr=log, cwd=self.root, start_new_session=True
-        )
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, (self.root / "server.log").read_text()[-3000:]
-            try:
-                with urllib.request.urlopen(f"{self.uri}/health", timeout=2) as response:
-                    if response.status == 200:
-                        return
-            except OSError:
-                time.sleep(0.5)
-        self.kill()
-        raise TimeoutError(f"mlflow server did not answer in {timeout_s} s")
-
-    def kill(self) -> None:
-        """SIGKILL the whole server (a crash, not a shutdown)."""
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=30)
-        self.proc = None
 
 
 @pytest.fixture(scope="module")

@@ -109,3 +109,40 @@ def test_score_curves_take_every_seed_of_a_loss_at_the_steps_all_reached(compare
         plot_comparison_curves(curves, ("abs_error",), tmp_path / "c.png", "t").read_bytes()[:4] == b"\x89PNG"
     )
     assert plot_comparison_curves({"ce": {}}, ("abs_error",), tmp_path / "none.png", "t") is None
+
+
+def test_the_plan_takes_uri_credentials_and_writes_none(tmp_path, monkeypatch):
+    """A comparison given ``tracking.uri=http://user:password@host``: the credentials become this
+    process's MLflow variables (its jobs inherit them); the plan (what the jobs are given, results.json
+    and the parent run's params are made from) holds them nowhere."""
+    import json
+    import os
+    from dataclasses import asdict
+
+    from ntil_ds.comparison.grid import plan_comparison
+    from ntil_ds.jobs import REPO_ROOT
+
+    for name in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN"):
+        monkeypatch.setenv(name, "")  # records the original state for teardown
+        monkeypatch.delenv(name)
+    (tmp_path / "train.jsonl").write_text("")
+    (tmp_path / "test.jsonl").write_text(json.dumps({"task": "arithmetic"}) + "\n")
+    uri = "http://trainer:secret-pw@mlflow.example:5000"
+    plan = plan_comparison(
+        REPO_ROOT / "configs" / "train" / "tiny_qwen2_arithmetic.yaml",
+        tmp_path / "out",
+        [("ce", "ce", ["loss.name=ce"])],
+        [0],
+        nproc=1,
+        overrides=[f"data.train_file={tmp_path / 'train.jsonl'}", f"tracking.uri={uri}"],
+        test_split=None,
+        task=None,
+        command=f"compare.py --config tiny_qwen2_arithmetic.yaml tracking.uri={uri}",
+    )
+    assert plan.uri == "http://mlflow.example:5000"
+    assert f"tracking.uri={plan.uri}" in plan.base_overrides and plan.command.endswith(plan.uri)
+    assert "secret" not in json.dumps(asdict(plan), default=str)
+    assert (os.environ["MLFLOW_TRACKING_USERNAME"], os.environ["MLFLOW_TRACKING_PASSWORD"]) == (
+        "trainer",
+        "secret-pw",
+    )

@@ -12,9 +12,16 @@ from pathlib import Path
 
 import pytest
 
-from ntil_ds.config import TrackingConfig
+from ntil_ds.config import Config, TrackingConfig, flatten, redact_uri, save_config
 from ntil_ds.dist import DistInfo
-from ntil_ds.tracking import NullTracker, TrackingError, build_tracker, default_tags, resolve_tracking_uri
+from ntil_ds.tracking import (
+    NullTracker,
+    TrackingError,
+    build_tracker,
+    default_tags,
+    resolve_tracking_uri,
+    take_uri_credentials,
+)
 from ntil_ds.tracking.__main__ import main as tracking_cli
 from ntil_ds.tracking.plots import digit_position_series, plot_loss_curves, plot_run_history
 
@@ -49,6 +56,41 @@ def test_uri_precedence_recipe_then_env_then_embedded(tmp_path):
     assert resolve_tracking_uri("", tmp_path, "http://b:5000") == "http://b:5000"
     embedded = resolve_tracking_uri("", tmp_path / "out", None)
     assert embedded == f"sqlite:///{(tmp_path / 'out').resolve()}/mlflow.db"
+
+
+def test_uri_credentials_are_redacted_in_every_text_and_config_output(tmp_path):
+    assert (
+        redact_uri("https://al%40ice:to:ken@mlflow.example:5000/x?y=1") == "https://mlflow.example:5000/x?y=1"
+    )
+    assert redact_uri("open http://u:p@h:1 in a browser; or https://tok@h2/x") == (
+        "open http://h:1 in a browser; or https://h2/x"
+    )
+    for unchanged in (
+        "sqlite:////abs/b@c.db",
+        "sqlite:///rel/x.db",
+        "http://[::1]:5000",
+        "a@b",
+        "file:///a@b",
+    ):
+        assert redact_uri(unchanged) == unchanged
+    cfg = Config(tracking=TrackingConfig(uri="http://trainer:secret-pw@mlflow.example:5000"))
+    assert flatten(cfg)["tracking.uri"] == "http://mlflow.example:5000"  # the MLflow params
+    assert "secret" not in save_config(cfg, tmp_path / "config.yaml").read_text()
+    assert cfg.tracking.uri == "http://trainer:secret-pw@mlflow.example:5000"  # the job still has them
+
+
+def test_uri_credentials_become_the_variables_mlflow_reads(monkeypatch):
+    for name in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN"):
+        monkeypatch.setenv(name, "from-the-environment")  # records the original state for teardown
+    assert take_uri_credentials("https://al%40ice:p%3Ass@host:5000/x") == "https://host:5000/x"
+    assert os.environ["MLFLOW_TRACKING_USERNAME"] == "al@ice"
+    assert os.environ["MLFLOW_TRACKING_PASSWORD"] == "p:ss"
+    assert os.environ["MLFLOW_TRACKING_TOKEN"] == "from-the-environment"
+    assert take_uri_credentials("https://t0ken@host") == "https://host"
+    assert os.environ["MLFLOW_TRACKING_TOKEN"] == "t0ken"
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "kept")
+    assert take_uri_credentials("http://host:5000") == "http://host:5000"
+    assert os.environ["MLFLOW_TRACKING_USERNAME"] == "kept"  # a URI without credentials leaves them
 
 
 def test_non_main_ranks_and_disabled_tracking_get_a_null_tracker(tmp_path):
@@ -125,6 +167,39 @@ def test_system_metrics_are_logged_at_training_steps_when_enabled(tmp_path, monk
     assert "system/cpu_utilization_percentage" in system, sorted(run.data.metrics)
     steps = [m.step for m in client.get_metric_history(tracker.run_id, "system/cpu_utilization_percentage")]
     assert steps and set(steps) <= {1, 2, 3} and len(steps) == len(set(steps))  # at most one sample a step
+
+
+@pytest.mark.timeout(120)
+def test_experiments_open_as_model_training_and_the_log_gives_the_runs_address(tmp_path, caplog):
+    from mlflow import MlflowClient
+
+    caplog.set_level(logging.INFO, logger="ntil_ds.tracking")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    client.create_experiment("chosen-in-the-ui", tags={"mlflow.experimentKind": "genai_development"})
+    client.create_experiment("made-without-a-kind")
+    addresses = {}
+    for name in ("new", "made-without-a-kind", "chosen-in-the-ui"):
+        tracker = build_tracker(
+            TrackingConfig(uri=uri, experiment=name), is_main=True, output_dir=tmp_path / name
+        )
+        tracker.finish()
+        experiment_id = client.get_run(tracker.run_id).info.experiment_id
+        addresses[name] = (
+            f"http://127.0.0.1:5000/#/experiments/{experiment_id}/runs/{tracker.run_id}/model-metrics"
+            "?workflowType=machine_learning"  # `mlflow ui`'s address, on the model-training view
+        )
+    kinds = {
+        name: client.get_experiment_by_name(name).tags.get("mlflow.experimentKind") for name in addresses
+    }
+    assert kinds == {
+        "new": "custom_model_development",
+        "made-without-a-kind": "custom_model_development",
+        "chosen-in-the-ui": "genai_development",  # a kind already set is kept
+    }
+    messages = [r.getMessage() for r in caplog.records]
+    for address in addresses.values():  # once when the run opens, once when it ends
+        assert len([m for m in messages if address in m]) == 2, messages
 
 
 def test_required_store_that_is_unreachable_fails_at_start(tmp_path):
