@@ -1,6 +1,7 @@
 # Two entry points a fresh machine needs (see README):
 #   make demo   set up, then run the tiny end-to-end job (data -> ZeRO-3 training on 2 CPU processes -> export -> eval)
 #   make test   set up, then run the test suite
+#   make container-test   build the image's CPU variant with buildah and train in it (root; docs/container.md)
 # `make setup` is idempotent: it creates .venv and installs the pinned CPU stack.
 SHELL := /bin/bash
 VENV ?= .venv
@@ -12,7 +13,7 @@ export DS_ACCELERATOR ?= cpu
 # machines find the CPU wheel on local disk); https://download.pytorch.org/whl/cpu elsewhere for CPU.
 TORCH_INDEX_URL ?=
 
-.PHONY: setup system-deps demo test lint
+.PHONY: setup system-deps container-deps container-test demo test lint
 
 $(VENV)/.installed: pyproject.toml constraints/cpu.txt
 	python3 -m venv $(VENV)
@@ -30,6 +31,17 @@ system-deps:
 	@if command -v slurmctld >/dev/null && command -v munged >/dev/null && command -v shellcheck >/dev/null; then :; \
 	elif [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge shellcheck >/dev/null; \
 	else echo "note: slurm-wlm/munge not installed and not root: SLURM tests will be skipped"; fi
+
+# What `make container-test` needs: buildah and debootstrap (Debian packages), as root.
+container-deps:
+	@if command -v buildah >/dev/null && command -v debootstrap >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq buildah debootstrap >/dev/null; \
+	else echo "container-test: buildah/debootstrap not installed and not root: apt-get install buildah debootstrap as root" >&2; exit 1; fi
+
+# The image's CPU variant from the same Dockerfile: base image from Debian packages, buildah build, then
+# in the image the pin check and the demo through the entry point (docker/container_test.sh).
+container-test: container-deps
+	bash docker/container_test.sh
 
 demo: setup
 	$(PY) launch/quickstart.py

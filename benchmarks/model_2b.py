@@ -1,6 +1,6 @@
 """A model folder with Qwen2-VL-2B's dimensions, offline (random init, no download).
 
-It starts from the tiny offline Qwen2-VL folder (ntil_ds.model.tiny) and sets config.json to the
+It starts from the tiny offline Qwen2-VL folder (ntil_ds.tiny) and sets config.json to the
 published Qwen2-VL-2B-Instruct sizes: LLM 1536 hidden, 28 layers, 12 heads / 2 KV heads, 8960 MLP,
 vocab 151,936, tied embeddings, M-RoPE sections [16, 24, 24], rope theta 1e6; ViT depth 32, width 1280,
 16 heads (2.21 B parameters). The tokenizer stays tiny (ids < 512): the logits are full-size
@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ntil_ds.model.tiny import build_tiny_model_folder
+from ntil_ds.tiny import build_tiny_model_folder
 
 HIDDEN, LAYERS, HEADS, KV_HEADS, MLP, VOCAB = 1536, 28, 12, 2, 8960, 151936
 

@@ -122,7 +122,7 @@ def prepare(workdir: Path, n_samples: int, model_size: str) -> tuple[Path, Path]
 
         model = build_2b_folder(workdir / "qwen2vl-2b-dims")
     else:
-        from ntil_ds.model.tiny import build_tiny_model_folder
+        from ntil_ds.tiny import build_tiny_model_folder
 
         model = build_tiny_model_folder("qwen2_vl", workdir / "tiny-qwen2vl")
     data = write_dataset("clock", n_samples, workdir / "clock")["train"]

@@ -5,7 +5,7 @@ another torch / C++ ABI, or DeepSpeed ops that silently were not compiled stop t
 not on rank 3 of the first cluster job. It also runs on the CI venv (tests/unit/test_container_pins.py).
 
     python docker/verify_stack.py --pins constraints/cpu.txt constraints/cuda.txt \
-        [--require torch deepspeed ...] [--all-pinned-except pip ...] [--cuda 13.0] \
+        [--require torch deepspeed ...] [--all-pinned-except pip ...] [--cuda 13.0 | none] \
         [--deepspeed-ops fused_adam cpu_adam] [--deepspeed-accelerator cuda] [--import flash_attn ...]
 
 Exit status 0 when every check holds, 1 with one line per problem otherwise.
@@ -111,10 +111,19 @@ def build_constants(package: str, module: str) -> dict[str, object] | None:
 
 
 def cuda_problems(expected: str) -> list[str]:
-    """torch must be built for the CUDA major.minor of the base image (DeepSpeed's op builder insists)."""
+    """torch must be built for the CUDA major.minor of the base image (DeepSpeed's op builder insists),
+    or be the CPU build in an image without CUDA (`expected` is "none")."""
     torch_version = build_constants("torch", "version")
     if torch_version is None:
         return ["torch is not installed"]
+    if expected == "none":
+        if torch_version["cuda"] is None:
+            return []
+        return [
+            f"torch {torch_version['__version__']} is built for CUDA {torch_version['cuda']}, but this image "
+            "has no CUDA (CUDA_VERSION=none): install torch's CPU build, e.g. with the build arg "
+            "TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu"
+        ]
     want = ".".join(expected.split(".")[:2])
     if torch_version["cuda"] is None:
         return [f"torch {torch_version['__version__']} is a CPU-only build, but CUDA {want} is expected"]
@@ -174,7 +183,9 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="require every installed distribution to be pinned, except these (e.g. pip)",
     )
-    parser.add_argument("--cuda", help="CUDA version torch must be built for, e.g. 13.0.2")
+    parser.add_argument(
+        "--cuda", help="CUDA version torch must be built for, e.g. 13.0.2; none: torch's CPU build"
+    )
     parser.add_argument("--deepspeed-ops", nargs="*", default=[], help="ops that must be prebuilt")
     parser.add_argument("--deepspeed-accelerator", help="accelerator DeepSpeed was built for, e.g. cuda")
     parser.add_argument("--import", dest="modules", nargs="*", default=[], help="modules to import")

@@ -1,4 +1,4 @@
-"""Per-GPU memory of a recipe on N GPUs of G GB, and whether it fits (ntil_ds/model/memory.py).
+"""Per-GPU memory of a recipe on N GPUs of G GB, and whether it fits (ntil_ds/memory_estimate.py).
 
     python launch/estimate.py configs/train/qwen2vl_7b_clock.yaml --gpus 8 --gpu-memory-gb 80
     python launch/estimate.py configs/train/qwen3vl_8b_lora_clock.yaml --gpus 2 --gpu-memory-gb 24 \\
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from ntil_ds.config import ConfigError, load_config
 from ntil_ds.ds_config import load_deepspeed_json
-from ntil_ds.model.memory import GIB, estimate, estimate_as_dict
+from ntil_ds.memory_estimate import GIB, estimate, estimate_as_dict
 
 # The line each GPU recipe carries in its header; --update-recipes rewrites its numbers.
 HEADER_LINE = re.compile(r"^# launch/estimate\.py --gpus (\d+) --gpu-memory-gb (\d+):.*$", re.MULTILINE)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from ntil_ds.model.tiny import TINY_KINDS, TINY_SIZES, build_tiny_model_folder
+from ntil_ds.tiny import TINY_KINDS, TINY_SIZES, build_tiny_model_folder
 
 
 def main() -> None:

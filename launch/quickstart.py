@@ -9,6 +9,7 @@
    some answers and the mean error against chance.
 
     python launch/quickstart.py [--task arithmetic|clock] [--out outputs/quickstart] [key=value ...]
+    python launch/quickstart.py --entrypoint "bash docker/entrypoint.sh" ...   # train via a container's entry point
 
 Extra key=value arguments go to the training recipe (configs/train/tiny_qwen2_arithmetic.yaml or
 configs/train/tiny_qwen2vl_clock.yaml).
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -28,8 +30,9 @@ from pathlib import Path
 
 from ntil_ds.config import load_config
 from ntil_ds.data.synthetic import write_dataset
+from ntil_ds.dist import free_port
 from ntil_ds.jobs import REPO_ROOT, TRAIN_SCRIPT, job_env, launcher_command, train_args
-from ntil_ds.model.tiny import build_tiny_model_folder
+from ntil_ds.tiny import build_tiny_model_folder
 from ntil_ds.tracking import resolve_tracking_uri
 
 
@@ -82,10 +85,11 @@ DEMOS = {
 }
 
 
-def run(command: list[str], what: str) -> None:
+def run(command: list[str], what: str, extra_env: dict[str, str] | None = None) -> None:
     print(f"\n=== {what}\n$ {' '.join(command)}", flush=True)
     started = time.perf_counter()
-    result = subprocess.run(command, cwd=REPO_ROOT, env=job_env())  # the output goes to the console
+    env = {**job_env(), **(extra_env or {})}
+    result = subprocess.run(command, cwd=REPO_ROOT, env=env)  # the output goes to the console
     if result.returncode != 0:
         sys.exit(f"quickstart: {what} failed (exit code {result.returncode}); see the output above")
     print(f"=== {what}: done in {time.perf_counter() - started:.0f} s", flush=True)
@@ -98,6 +102,11 @@ def main() -> None:
     parser.add_argument("--out", default="outputs/quickstart", help="everything goes under this folder")
     parser.add_argument("--task", choices=sorted(DEMOS), default="arithmetic", help="the easy task to learn")
     parser.add_argument("--samples", type=int, help="samples over train/val/test (default: the task's)")
+    parser.add_argument(
+        "--entrypoint",
+        help="train through this container entry point (`ENTRYPOINT train --config ...`, NPROC_PER_NODE=2) "
+        "instead of calling deepspeed; make container-test passes the image's",
+    )
     parser.add_argument("overrides", nargs="*", help="recipe overrides, e.g. train.max_steps=20")
     args = parser.parse_args()
     started = time.perf_counter()
@@ -122,10 +131,16 @@ def main() -> None:
         *args.overrides,
     ]
     cfg = load_config(demo.recipe, overrides)  # fail here, not in 2 processes, on a bad override
-    run(
-        launcher_command("deepspeed", 2, TRAIN_SCRIPT, train_args(demo.recipe, overrides)),
-        "train (deepspeed launcher, 2 CPU processes, ZeRO-3)",
-    )
+    if args.entrypoint:
+        # The entry point's `train` runs deepspeed --master_port MASTER_PORT --num_gpus NPROC_PER_NODE.
+        command = [*shlex.split(args.entrypoint), "train", *train_args(demo.recipe, overrides)]
+        launcher_env = {"NPROC_PER_NODE": "2", "MASTER_PORT": str(free_port())}
+        what = f"train through the entry point `{args.entrypoint} train` (deepspeed, 2 CPU processes, ZeRO-3)"
+    else:
+        command = launcher_command("deepspeed", 2, TRAIN_SCRIPT, train_args(demo.recipe, overrides))
+        launcher_env = {}
+        what = "train (deepspeed launcher, 2 CPU processes, ZeRO-3)"
+    run(command, what, launcher_env)
     export_dir = run_dir / "export"
     results_file = run_dir / "eval_test.json"
     run(

@@ -1,4 +1,4 @@
-"""Checkpoints a job can resume from, and the Hugging Face folder people load afterwards.
+"""Checkpoints a job can resume from (the Hugging Face folder people load afterwards: ntil_ds/export.py).
 
 Layout under ``<output_dir>/checkpoints/step_00000030/``:
 
@@ -34,7 +34,6 @@ import torch
 from ntil_ds.config import Config, ConfigError, flatten, load_config, save_config
 from ntil_ds.dist import DistInfo, all_gather_objects, barrier, broadcast_from_main
 from ntil_ds.engine import TrainingEngine
-from ntil_ds.model.lora import is_lora_model, save_lora_export
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +62,7 @@ RESUMABLE_CHANGES = (
     "loss.kernel",  # the same loss through the Triton kernel or the torch tiles
     "loss.number_stage",  # the same number stage, compiled or eager
     "tracking.",
+    "eval.",  # what is evaluated and how often; not what a step computes
 )
 
 
@@ -310,33 +310,6 @@ class Checkpointer:
     def save(self, state: TrainerState) -> None:
         save_checkpoint(self.engine, self.cfg, state, self.dist, self.cfg.train.keep_last)
         self.saved_at = state.step
-
-
-def export_hf_folder(engine: TrainingEngine, processor: Any, out_dir: str | Path, is_main: bool) -> Path:
-    """COLLECTIVE: a Hugging Face folder (safetensors weights + config + processor) that loads with plain
-    ``from_pretrained``, no DeepSpeed needed. Weights are gathered from every rank's ZeRO partition."""
-    out_dir = Path(out_dir)
-    state_dict = engine.consolidated_state_dict()  # every rank must call it; rank 0 gets the weights
-    if is_main:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        model = engine.module
-        # transformers 5.x records, at from_pretrained, how checkpoint names were renamed and reverts that
-        # on save. After a ZeRO-3 (zero.Init) load the record makes Qwen2-VL save "model.model.layers.*"
-        # instead of the hub's "model.layers.*" (transformers reloads both; other tools do not). Without
-        # the record, save_pretrained uses the model family's default mapping: the hub's names.
-        recorded = model.__dict__.pop("_weight_conversions", None)
-        try:
-            if is_lora_model(model):  # the adapter (+ merged/ on request): ntil_ds/model/lora.py
-                save_lora_export(model, state_dict, out_dir)
-            else:
-                model.save_pretrained(out_dir, state_dict=state_dict, safe_serialization=True)
-        finally:
-            if recorded is not None:
-                model._weight_conversions = recorded
-        processor.save_pretrained(out_dir)
-        log.info("exported a Hugging Face folder to %s", out_dir)
-    barrier()
-    return out_dir
 
 
 # ----------------------------------------------------------------------------------------------------

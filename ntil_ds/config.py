@@ -13,18 +13,13 @@ the code that knows those things, and raise :class:`ConfigError` too.
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A recipe or override is wrong; the message names the key and says how to fix it."""
+from ntil_ds.typed_config import ConfigError, apply_override, build
 
 
 @dataclass
@@ -52,7 +47,7 @@ class ModelConfig:
 
 @dataclass
 class LoraConfig:
-    """LoRA / QLoRA (ntil_ds/model/lora.py). Off by default: full fine-tuning."""
+    """LoRA (ntil_ds/model/lora.py) / QLoRA (ntil_ds/model/quantize.py). Off by default: full fine-tuning."""
 
     enabled: bool = False
     r: int = 16
@@ -60,11 +55,17 @@ class LoraConfig:
     dropout: float = 0.05
     # Comma-separated layer names inside the language model, or "all-linear" (never the vision tower).
     target_modules: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
-    # Comma-separated modules trained in full and saved with the adapter. NTIL's gradient reaches the
-    # digits through the output head: keep lm_head here (embed_tokens too for tied-embedding models).
-    modules_to_save: str = "lm_head"
+    # What of the output head trains. full: every row, saved with the adapter (peft's modules_to_save;
+    # tied embeddings train with it); frozen: nothing (NTIL's gradient still reaches the adapters through
+    # it); number_rows: only the rows of the tokens NTIL reads (the ten digits, and '-' / '.' when
+    # loss.signed_numbers / loss.decimal_numbers), as a small delta saved with the adapter and merged on
+    # export (ntil_ds/model/head_rows.py).
+    head: Literal["full", "frozen", "number_rows"] = "full"
+    # Comma-separated modules besides the head trained in full and saved with the adapter (the projector
+    # is added when model.freeze_projector=false). lm_head here is the old spelling of lora.head=full.
+    modules_to_save: str = ""
     # nf4: QLoRA, the language model's frozen linear weights loaded in 4 bits (bitsandbytes); the head,
-    # projector and vision tower stay 16-bit (ntil_ds/model/lora.py). ZeRO-2 and ZeRO-3.
+    # projector and vision tower stay 16-bit (ntil_ds/model/quantize.py). ZeRO-2 and ZeRO-3.
     quantize: Literal["none", "nf4"] = "none"
     # Also write export/merged/: base + adapters merged, loads with plain from_pretrained.
     merge_on_export: bool = False
@@ -147,6 +148,19 @@ class TrainConfig:
 
 
 @dataclass
+class EvalConfig:
+    """Numeric metrics while training (ntil_ds/evaluation/numeric.py): greedy answers to the first
+    ``generate_samples`` lines of data.eval_file, scored with the task's metrics (ntil_ds/scoring.py) and
+    logged as eval/<metric>. Teacher-forced accuracies keep their own cadence, train.eval_every."""
+
+    generate_every: int = 0  # optimizer steps between evaluations; 0: off. On, the last step is evaluated too
+    generate_samples: int = 64  # the fixed subset: the first lines of data.eval_file
+    max_new_tokens: int = 32
+    batch_size: int = 16  # prompts per generate call on each data-parallel rank
+    task: str = ""  # clock, boxes, chart, arithmetic ...; empty: the eval lines' "task" key
+
+
+@dataclass
 class TrackingConfig:
     enabled: bool = True
     # Empty: MLFLOW_TRACKING_URI if set, else sqlite:///<output_dir>/mlflow.db (embedded store).
@@ -176,6 +190,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -201,93 +216,10 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
             raise ConfigError(f"recipe {path} must be a YAML mapping, got {type(loaded).__name__}")
         raw = loaded
     for override in overrides:
-        _apply_override(raw, override)
-    cfg = _build(Config, raw, prefix="")
+        apply_override(raw, override)
+    cfg = build(Config, raw)
     validate(cfg)
     return cfg
-
-
-def _apply_override(raw: dict[str, Any], override: str) -> None:
-    key, sep, text = override.partition("=")
-    key = key.strip()
-    if not sep or not key:
-        raise ConfigError(f"override {override!r} must look like key=value, e.g. train.max_steps=10")
-    parts = key.split(".")
-    node = raw
-    for i, part in enumerate(parts[:-1]):
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise ConfigError(f"override {override!r}: {'.'.join(parts[: i + 1])} is not a section")
-        node = child
-    node[parts[-1]] = yaml.safe_load(text) if text.strip() else ""
-
-
-def _build(cls: type, raw: Any, prefix: str) -> Any:
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{prefix.rstrip('.') or 'the recipe'} must be a mapping of keys, got {raw!r}")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = [k for k in raw if k not in fields]
-    if unknown:
-        key = unknown[0]
-        close = difflib.get_close_matches(str(key), list(fields), n=1)
-        hint = f"; did you mean '{prefix}{close[0]}'?" if close else ""
-        raise ConfigError(
-            f"unknown config key '{prefix}{key}'{hint} (valid keys here: {', '.join(sorted(fields))})"
-        )
-    values: dict[str, Any] = {}
-    for name, value in raw.items():
-        key = f"{prefix}{name}"
-        hint = hints[name]
-        if dataclasses.is_dataclass(hint):
-            values[name] = _build(hint, value if value is not None else {}, prefix=f"{key}.")
-        else:
-            values[name] = _coerce(value, hint, key)
-    return cls(**values)
-
-
-def _coerce(value: Any, hint: Any, key: str) -> Any:
-    origin = typing.get_origin(hint)
-    if origin is Literal:
-        choices = typing.get_args(hint)
-        if value not in choices:
-            raise ConfigError(f"{key}={value!r} is not one of {', '.join(map(repr, choices))}")
-        return value
-    if origin in (typing.Union, types.UnionType):
-        errors = []
-        for option in typing.get_args(hint):
-            if option is type(None):
-                if value is None:
-                    return None
-                continue
-            try:
-                return _coerce(value, option, key)
-            except ConfigError as e:
-                errors.append(str(e))
-        raise ConfigError(errors[0] if errors else f"{key} must not be empty")
-    if hint is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"{key}={value!r} must be true or false")
-    if hint is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise ConfigError(f"{key}={value!r} must be an integer")
-    if hint is float:
-        # YAML 1.1 reads "1e-5" (no dot) as a string: accept any numeric spelling.
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise ConfigError(f"{key}={value!r} must be a number")
-    if hint is str:
-        if isinstance(value, str):
-            return value
-        raise ConfigError(f"{key}={value!r} must be a string (quote it in YAML)")
-    raise TypeError(f"config field {key} has an unsupported type {hint!r}")  # a bug in this file
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -343,6 +275,12 @@ def validate(cfg: Config) -> None:
         raise ConfigError("loss.name=ntl does not support packing: set data.max_tokens_per_micro_batch=0")
     if cfg.train.eval_every and not cfg.data.eval_file:
         raise ConfigError("train.eval_every > 0 needs data.eval_file (or set train.eval_every=0)")
+    if cfg.eval.generate_every and not cfg.data.eval_file:
+        raise ConfigError("eval.generate_every > 0 needs data.eval_file (or set eval.generate_every=0)")
+    for key in ("generate_every", "generate_samples", "max_new_tokens", "batch_size"):
+        value = getattr(cfg.eval, key)
+        if value < 0 or (value == 0 and key != "generate_every"):
+            raise ConfigError(f"eval.{key}={value} must be {'>= 0' if key == 'generate_every' else '> 0'}")
     if cfg.model.freeze_vision_tower and cfg.model.freeze_projector and cfg.model.freeze_language_model:
         raise ConfigError("model.freeze_* are all true: nothing would train")
     _validate_lora(cfg)
@@ -355,7 +293,17 @@ def _validate_lora(cfg: Config) -> None:
             raise ConfigError(
                 f"lora.quantize={lora.quantize} needs lora.enabled=true (QLoRA is LoRA on 4-bit weights)"
             )
+        if lora.head != "full":
+            raise ConfigError(
+                f"lora.head={lora.head} needs lora.enabled=true (full fine-tuning trains the whole head; "
+                "model.freeze_language_model=true freezes it with the language model)"
+            )
         return
+    if lora.head != "full" and "lm_head" in [m.strip() for m in lora.modules_to_save.split(",")]:
+        raise ConfigError(
+            f"lora.modules_to_save={lora.modules_to_save!r} trains the whole output head, which contradicts "
+            f"lora.head={lora.head}; remove lm_head from lora.modules_to_save (lora.head decides the head)"
+        )
     if lora.r <= 0 or lora.alpha <= 0:
         raise ConfigError(f"lora.r={lora.r} and lora.alpha={lora.alpha} must be > 0")
     if not 0.0 <= lora.dropout < 1.0:

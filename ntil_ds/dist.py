@@ -3,10 +3,13 @@
 - :class:`DistInfo`: the only reader of RANK / LOCAL_RANK / WORLD_SIZE.
 - The collectives the project uses, each named for what it does and marked COLLECTIVE (every rank of
   the process group must call it, in the same order): :func:`barrier`, :func:`all_gather_objects`,
-  :func:`broadcast_from_main`, :func:`all_reduce_sums` (a dict of named sums in one all-reduce, never
-  a tensor read back by position), :func:`any_rank`, :func:`leave_process_group`. Without an
-  initialized process group each answers for this process alone, so one code path serves 1 and N
-  processes.
+  :func:`broadcast_from_main`, :func:`all_reduce_sums` (device values: a dict of named sums in one
+  all-reduce, never a tensor read back by position), :func:`all_reduce_host_sums` and :func:`any_rank`
+  (values the host knows already, reduced on a CPU group: they never wait for the device),
+  :func:`leave_process_group`. Without an initialized process group each answers for this process
+  alone, so one code path serves 1 and N processes.
+- :func:`read_to_host`: the one way device values reach the host (a sync point, named so it can be
+  counted).
 - :func:`exit_process`: how a rank's process ends.
 
 Layout: ranks are grouped into tensor-parallel groups of ``tp_size`` consecutive ranks (the layout
@@ -127,12 +130,20 @@ def _grouped() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def collective_device() -> torch.device:
-    """Where the backend reduces tensors: the current GPU for NCCL, the CPU for gloo (and the CPU side
-    of a mixed "cpu:gloo,cuda:nccl" group)."""
-    if _grouped() and "nccl" in str(dist.get_backend()) and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+_host_group: list[Any] = []  # [the group] once made
+
+
+def make_host_group() -> None:
+    """COLLECTIVE, once, right after the process group starts (``engine.init_distributed``): the group
+    for values the host already knows (counts, flags). With NCCL that is a gloo group of the same ranks,
+    so reducing a host value never waits for the device; with gloo it is the default group."""
+    if not _grouped() or _host_group:
+        return
+    _host_group.append(None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo"))
+
+
+def _host_group_or_default() -> Any:
+    return _host_group[0] if _host_group else None
 
 
 def barrier() -> None:
@@ -141,13 +152,21 @@ def barrier() -> None:
         dist.barrier()
 
 
-def all_gather_objects(obj: Any) -> list[Any]:
-    """COLLECTIVE (hence also a barrier): every rank's picklable ``obj``, in rank order."""
+def all_gather_objects(obj: Any, group: Any = None) -> list[Any]:
+    """COLLECTIVE over ``group`` (default: all ranks; hence also a barrier): every rank's picklable
+    ``obj``, in rank order."""
     if not _grouped():
         return [obj]
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, obj)
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, obj, group=group)
     return gathered
+
+
+def all_gather_tensors(tensor: torch.Tensor, group: Any) -> list[torch.Tensor]:
+    """COLLECTIVE over ``group``: every rank's ``tensor`` (same shape on every rank), in rank order."""
+    pieces = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(pieces, tensor.contiguous(), group=group)
+    return pieces
 
 
 def broadcast_from_main(obj: Any) -> Any:
@@ -196,13 +215,19 @@ def read_to_host(values: Mapping[str, torch.Tensor]) -> dict[str, Any]:
     return out
 
 
+def all_reduce_host_sums(values: Mapping[str, float]) -> dict[str, float]:
+    """COLLECTIVE: the sum over all ranks of each named host value (counts, flags), in one all-reduce on
+    the host group (:func:`make_host_group`): no device is involved, so nothing waits for one."""
+    names = sorted(values)
+    flat = torch.tensor([float(values[name]) for name in names], dtype=torch.float64)
+    if _grouped():
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=_host_group_or_default())
+    return dict(zip(names, flat.tolist(), strict=True))
+
+
 def any_rank(flag: bool) -> bool:
-    """COLLECTIVE: True on every rank when ``flag`` is True on any rank (a host sync)."""
-    if not _grouped():
-        return flag
-    tensor = torch.tensor([1.0 if flag else 0.0], device=collective_device())
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return bool(tensor.item() > 0)
+    """COLLECTIVE: True on every rank when ``flag`` is True on any rank (on the host group)."""
+    return all_reduce_host_sums({"flag": 1.0 if flag else 0.0})["flag"] > 0
 
 
 def leave_process_group() -> None:

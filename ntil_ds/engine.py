@@ -19,7 +19,7 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.utils import groups as deepspeed_groups
 
 from ntil_ds.config import Config, ConfigError
-from ntil_ds.dist import DistInfo, any_rank, check_parallel_layout, launcher_env_defaults
+from ntil_ds.dist import DistInfo, any_rank, check_parallel_layout, launcher_env_defaults, make_host_group
 
 
 def lr_ratio(step: int, *, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
@@ -47,6 +47,7 @@ def init_distributed() -> None:
     # Without torchrun/deepspeed (python launch/train.py) DeepSpeed would try MPI discovery (mpi4py).
     os.environ.update(launcher_env_defaults(os.environ))
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+    make_host_group()  # every rank, at the same point: counts and flags are reduced without the device
 
 
 def device_for(local_rank: int) -> torch.device:
@@ -136,22 +137,27 @@ class TrainingEngine:
         its configured gradient_accumulation_steps)."""
         self.engine.set_gradient_accumulation_boundary(is_boundary)
 
-    def gradients_are_finite(self) -> bool:
-        """COLLECTIVE (every rank): are all gradients of the step finite? Call after the accumulation
-        boundary's backward, before :meth:`step`.
+    @property
+    def refuses_non_finite_steps(self) -> bool:
+        """Whether DeepSpeed itself skips an optimizer step whose gradients are not finite (its ZeRO and
+        fp16 optimizers check the gradient norm in ``step()``, every rank alike): then
+        :meth:`step_applied` tells the trainer, with no extra collective or host sync."""
+        return hasattr(self.engine.optimizer, "overflow")
 
-        ZeRO optimizers check their own gradient partitions (over the data-parallel group); a MAX over
-        the world adds the tensor-parallel ranks, whose partitions differ.
-        """
-        optimizer = self.engine.optimizer
-        if hasattr(optimizer, "has_overflow"):  # ZeRO 1-3: gradients live in the optimizer's partitions
-            local = bool(optimizer.has_overflow(partition_gradients=True))
-        else:
-            local = any(
-                not bool(torch.isfinite(p.grad).all())
-                for p in self.engine.module.parameters()
-                if p.grad is not None
-            )
+    def step_applied(self) -> bool:
+        """After the boundary's :meth:`step`: whether it changed the weights (False: DeepSpeed found
+        non-finite gradients and skipped it; the weights are those of the step before)."""
+        return bool(self.engine.was_step_applied())
+
+    def gradients_are_finite(self) -> bool:
+        """COLLECTIVE (every rank), a host sync: are all gradients of the step finite? For an optimizer
+        that does not check them itself (:attr:`refuses_non_finite_steps` False); call after the
+        accumulation boundary's backward, before :meth:`step`."""
+        local = any(
+            not bool(torch.isfinite(p.grad).all())
+            for p in self.engine.module.parameters()
+            if p.grad is not None
+        )
         return not any_rank(local)
 
     def train(self) -> None:
@@ -182,12 +188,13 @@ class TrainingEngine:
     def lr(self) -> float:
         return float(self.engine.get_lr()[0])
 
-    def grad_norm(self) -> float:
-        """Norm of the gradients of the last optimizer step, before clipping (NaN if unknown)."""
+    def grad_norm(self) -> torch.Tensor:
+        """Norm of the gradients of the last optimizer step, before clipping (NaN if unknown), as a 0-dim
+        tensor where DeepSpeed left it: reading it is the caller's choice of sync point."""
         norm = self.engine.get_global_grad_norm()
-        if norm is None:
-            return float("nan")
-        return float(norm.item() if isinstance(norm, torch.Tensor) else norm)
+        if isinstance(norm, torch.Tensor):
+            return norm.detach().reshape(())
+        return torch.tensor(float("nan") if norm is None else float(norm), dtype=torch.float64)
 
     # -- checkpoints and export -------------------------------------------------------------------------
 

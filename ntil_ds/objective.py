@@ -18,9 +18,9 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from ntil_ds.data.batch import MicroBatch
+from ntil_ds.dist import all_gather_tensors
 from ntil_ds.engine import TrainingEngine
 from ntil_ds.loss import NTILOutput
 from ntil_ds.model.tensor_parallel import VocabShard
@@ -67,11 +67,8 @@ class Objective:
         if shard is None:
             return index
         # Vocab-parallel: each rank knows the best token of its slice; the group picks the best slice.
-        size = dist.get_world_size(shard.process_group)
-        all_values = [torch.empty_like(values) for _ in range(size)]
-        all_index = [torch.empty_like(index) for _ in range(size)]
-        dist.all_gather(all_values, values.contiguous(), group=shard.process_group)
-        dist.all_gather(all_index, (index + shard.vocab_start).contiguous(), group=shard.process_group)
+        all_values = all_gather_tensors(values, shard.process_group)
+        all_index = all_gather_tensors(index + shard.vocab_start, shard.process_group)
         best = torch.stack(all_values).argmax(dim=0, keepdim=True)
         return torch.stack(all_index).gather(0, best).squeeze(0)
 

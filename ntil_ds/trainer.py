@@ -30,7 +30,6 @@ from ntil_ds.checkpoint import (
     TrainerState,
     agree_on_resume_checkpoint,
     check_resume_config,
-    export_hf_folder,
     load_checkpoint,
 )
 from ntil_ds.config import Config, flatten, gradient_accumulation_steps, save_config
@@ -44,11 +43,13 @@ from ntil_ds.data import (
 from ntil_ds.data.batch import MicroBatch
 from ntil_ds.data.packing import PackedCollator
 from ntil_ds.data.steps import StepBatches, step_loader
-from ntil_ds.dist import DistInfo, all_reduce_sums, leave_process_group, read_to_host
+from ntil_ds.dist import DistInfo, all_reduce_host_sums, all_reduce_sums, leave_process_group, read_to_host
 from ntil_ds.ds_config import write_deepspeed_config
 from ntil_ds.engine import TrainingEngine, device_for, peak_memory_mib
+from ntil_ds.evaluation.numeric import NumericEval
 from ntil_ds.evaluation.teacher_forced import TeacherForcedEval
-from ntil_ds.loss import NTILOutput
+from ntil_ds.export import export_hf_folder
+from ntil_ds.loss import NTILOutput, number_token_ids
 from ntil_ds.loss.build import build_loss, check_loss_supports
 from ntil_ds.model import load_model
 from ntil_ds.model.packing import rope_fn_for
@@ -112,7 +113,12 @@ class Trainer:
         # Same seed on every rank: random init is identical everywhere (ZeRO-3 keeps one slice each).
         _seed_everything(cfg.train.seed)
         # keeps the ZeRO-3 config alive with the model; lora: peft adapters when cfg.lora.enabled
-        self.loaded = load_model(cfg.model, ds_config, self.device, lora=cfg.lora)
+        # (lora.head=number_rows trains the head's rows of the tokens NTIL reads)
+        number_rows = None
+        if cfg.lora.enabled and cfg.lora.head == "number_rows":
+            c = cfg.loss
+            number_rows = number_token_ids(tokenizer_of(self.processor), c.signed_numbers, c.decimal_numbers)
+        self.loaded = load_model(cfg.model, ds_config, self.device, lora=cfg.lora, number_rows=number_rows)
         if dist_info.is_main:
             log.info("attention implementation: %s", self.loaded.attn_implementation)
         self.engine = TrainingEngine(self.loaded.model, cfg, ds_config)
@@ -139,19 +145,14 @@ class Trainer:
             self.engine, cfg, dist_info, loaded_step=self.state.step if checkpoint is not None else None
         )
         self.tracker = self._start_tracking(resumed=checkpoint is not None, tags=tracking_tags)
-        self.evaluator = (
-            TeacherForcedEval(
-                self.eval_data,
-                self.collator,
-                self.objective,
-                dist_info,
-                micro_batch_size=cfg.train.micro_batch_size,
-                every=cfg.train.eval_every,
-                seed=cfg.train.seed,
-            )
-            if self.eval_data is not None
-            else None
-        )
+        # Evaluation on data.eval_file: teacher-forced accuracies; scores of generated answers when asked
+        self.evaluator = self.numeric_eval = None
+        if self.eval_data is not None:
+            self.evaluator = TeacherForcedEval(cfg, self.eval_data, self.collator, self.objective, dist_info)
+            if cfg.eval.generate_every:
+                self.numeric_eval = NumericEval(
+                    cfg, self.eval_data, self.processor, self.objective, dist_info
+                )
 
     # ------------------------------------------------------------------------------------------------
     # The job
@@ -176,7 +177,7 @@ class Trainer:
         export_dir = None
         try:
             while self.state.step < cfg.train.max_steps:
-                # A collective at the step boundary: every rank agrees whether to stop now.
+                # A collective at the step boundary (on the host group): every rank agrees whether to stop now.
                 if self.preemption is not None and self.preemption.requested():
                     status = "preempted"
                     break
@@ -186,6 +187,8 @@ class Trainer:
                 step_log.train(self.state.step, metrics)
                 if self.evaluator is not None and self.evaluator.due(self.state.step):
                     step_log.eval(self.state.step, self.evaluator.run(self.state.step))
+                if self.numeric_eval is not None and self.numeric_eval.due(self.state.step):
+                    step_log.numeric(self.state.step, self.numeric_eval.run(self.state.step))
                 self.checkpoints.maybe_save(self.state)
             step_log.close()
             self.checkpoints.save_final(self.state)  # at the end, or on preemption: resume continues here
@@ -230,7 +233,7 @@ class Trainer:
         the number of labelled tokens in the whole step (all micro-batches on all DP ranks): every
         labelled token weighs the same, however the batch is split (no mean of per-micro-batch means).
         So each micro-batch contributes ``loss_sum / N``, and N must be known before the first backward:
-        we look ahead at the step's micro-batches and all-reduce their counts once (a sync point).
+        we look ahead at the step's micro-batches and all-reduce their counts once (a collective).
         DeepSpeed would then (a) divide each backward's loss by gradient_accumulation_steps: turned off
         (``TrainingEngine.backward`` passes ``scale_wrt_gas=False``); and (b) average the gradients
         over the DP ranks (ZeRO divides the reduced gradient by dp_size): undone by multiplying by
@@ -238,17 +241,19 @@ class Trainer:
         pins it: one process with the full batch == 2 ranks x 2 micro-batches.
         Tensor-parallel ranks of one group read the same batch and compute the same loss, so counts
         summed over all ranks are divided by tp_size.
+
+        One host sync per step, none per micro-batch (tests/distributed/test_host_syncs.py counts them): the
+        target count is known on the host and reduced on the host group; every device sum stays on the
+        device until the one read after the optimizer step.
         """
         started = time.perf_counter()
         step, tp = self.state.step, self.dist.tp_size  # step: 0-based index of the step being taken
-        local = {"targets": float(sum(mb.num_targets for mb in micro_batches))}  # counted on the host
-        labelled = read_to_host(all_reduce_sums(local, self.device))["targets"] / tp
+        local_count = {"targets": float(sum(mb.num_targets for mb in micro_batches))}  # known on the host
+        labelled = all_reduce_host_sums(local_count)["targets"] / tp  # on the host group: no device wait
         scale = self.dist.dp_size / max(labelled, 1.0)
         lr = self.engine.lr()  # the rate this step uses (the schedule advances inside the step)
 
-        sums: dict[
-            str, torch.Tensor
-        ] = {}  # this rank's sums of the step, on the device: no sync per micro-batch
+        sums: dict[str, torch.Tensor] = {}  # this rank's sums of the step, on the device
         loss_sums = []
         for index, micro_batch in enumerate(micro_batches):
             last = index == len(micro_batches) - 1
@@ -262,34 +267,34 @@ class Trainer:
                 self.engine.step()  # not a boundary: DeepSpeed only counts the micro-step
         sums["non_finite_losses"] = (~torch.isfinite(torch.stack(loss_sums))).sum()
         sums["input_tokens"] = torch.tensor(float(sum(mb.num_input_tokens for mb in micro_batches)))
+        totals = all_reduce_sums(sums, self.device)
+        if not self.engine.refuses_non_finite_steps and not self.engine.gradients_are_finite():
+            raise_non_finite_gradient(step + 1, self.cfg, self.dist, micro_batches)  # it would apply them
+        self.engine.step()  # the boundary: clip, optimizer step, schedule; skipped on non-finite gradients
 
-        # One all-reduce for the log and the NaN check, BEFORE the optimizer step (a sync point).
-        totals = read_to_host(all_reduce_sums(sums, self.device))
-        if totals["non_finite_losses"]:  # every rank sees the same sum: all raise together
+        # THE host sync of the step: one read of everything the log and the checks need, once the device
+        # has the whole step queued. (DeepSpeed's own overflow check inside step() is its own.)
+        host = read_to_host({**totals, "grad_norm": self.engine.grad_norm()})
+        if host["non_finite_losses"]:  # the same sum on every rank: all raise together
             bad = [float(s) for s in loss_sums]
             raise_non_finite_loss(
-                step + 1, self.cfg.train.max_steps, self.cfg.data.train_file, self.dist, micro_batches, bad
+                step + 1, self.cfg, self.dist, micro_batches, bad, applied=self.engine.step_applied()
             )
-        loss = totals["loss_sum"] / tp / max(labelled, 1.0)
-        # A finite loss can still give a NaN/Inf gradient (an overflow in the backward); in bf16/fp32
-        # DeepSpeed would apply it and every weight would turn NaN. A collective check, before the step.
-        if not self.engine.gradients_are_finite():
-            raise_non_finite_gradient(
-                step + 1, self.cfg.train.max_steps, self.cfg.data.train_file, self.dist, micro_batches, loss
-            )
-        self.engine.step()  # the accumulation boundary: clip, optimizer step, schedule
+        loss = host["loss_sum"] / tp / max(labelled, 1.0)
+        if not self.engine.step_applied():  # a finite loss, yet DeepSpeed found the gradients non-finite
+            raise_non_finite_gradient(step + 1, self.cfg, self.dist, micro_batches, loss)
 
         elapsed = time.perf_counter() - started
         means_over = len(micro_batches) * self.dist.world_size  # TP copies are equal: a mean over DP ranks
         return {
             "loss": loss,
-            "ce": totals["ce_sum"] / tp / max(labelled, 1.0),
-            **{part: totals[part] / means_over for part in ("ntil", "emd", "rel", "mag")},
+            "ce": host["ce_sum"] / tp / max(labelled, 1.0),
+            **{part: host[part] / means_over for part in ("ntil", "emd", "rel", "mag")},
             "lr": lr,
-            "grad_norm": self.engine.grad_norm(),
+            "grad_norm": host["grad_norm"],
             "labelled_tokens": labelled,
             "micro_batches": len(micro_batches),  # forwards in the step (packing decides it from the tokens)
-            "tokens_per_s": totals["input_tokens"] / tp / elapsed,
+            "tokens_per_s": host["input_tokens"] / tp / elapsed,
             "step_time_s": elapsed,
             "peak_mem_mib": peak_memory_mib(self.device),  # rank 0's; ZeRO-3 ranks are alike
         }

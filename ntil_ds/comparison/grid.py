@@ -3,9 +3,11 @@ its exported model scored on the test split; the outputs rewritten after every r
 be read (and survives being stopped) while it goes on.
 
 Writes under ``plan.out``: ``results.json`` (every run: status, metrics, wall times, the error of a
-failed run; mean/std per loss), ``table.md``, ``comparison.png``, ``runs/<loss>-seed<seed>/`` (each job's
-folder and ``train.log``), and one MLflow parent run with a child per training job. A run that fails is
-reported in all of them, never dropped.
+failed run; mean/std per loss; the scores logged while training, per seed), ``table.md``,
+``comparison.png``, ``curves.png`` (each score against the step: a line per loss, the seeds' spread as a
+band; when the runs evaluate while training, eval.generate_every > 0), ``runs/<loss>-seed<seed>/`` (each
+job's folder and ``train.log``), and one MLflow parent run with a child per training job. A run that
+fails is reported in all of them, never dropped.
 """
 
 from __future__ import annotations
@@ -18,16 +20,16 @@ import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ntil_ds.comparison.results import RunResult, change_vs, slug, summarize, table_markdown
+from ntil_ds.comparison.results import RunResult, change_vs, score_curves, slug, summarize, table_markdown
 from ntil_ds.config import ConfigError, load_config
 from ntil_ds.data.synthetic import write_dataset
 from ntil_ds.evaluation.generate import score_exported_model, task_of, write_report
 from ntil_ds.jobs import log_tail, run_training_job
-from ntil_ds.model.tiny import build_tiny_model_folder
 from ntil_ds.scoring import HIGHER_IS_BETTER, metrics_shown
+from ntil_ds.tiny import build_tiny_model_folder
 from ntil_ds.tracking import resolve_tracking_uri
 from ntil_ds.tracking.mlflow_comparison import ComparisonRuns
-from ntil_ds.tracking.plots import plot_comparison
+from ntil_ds.tracking.plots import plot_comparison, plot_comparison_curves
 
 
 def prepare_inputs(out: Path, tiny_model: str | None, data: str | None) -> list[str]:
@@ -154,7 +156,11 @@ class Comparison:
                 report = self.write(mlflow_runs.parent)
         mlflow_runs.finish(
             {slug(label): stats for label, stats in report["summary"].items()},
-            [plan.out / "results.json", plan.out / "table.md", plan.out / "comparison.png"],
+            [
+                p
+                for p in (plan.out / n for n in ("results.json", "table.md", "comparison.png", "curves.png"))
+                if p.is_file()
+            ],
             any_failed=bool(report["failed"]),
         )
         print(
@@ -230,6 +236,7 @@ class Comparison:
             "change_vs_baseline": {
                 label: change_vs(summary, label, baseline, plan.metrics[0]) for label in summary
             },
+            "curves": score_curves(runs, plan.metrics),  # scores while training, per seed
             "complete": len(runs) == len(plan.specs) * len(plan.seeds),
             "runs": [asdict(r) for r in runs],
             "failed": [f"{r.label} seed {r.seed}" for r in runs if r.status != "ok"],
@@ -240,4 +247,7 @@ class Comparison:
         (plan.out / "table.md").write_text(table_markdown(runs, summary, plan.metrics, baseline))
         title = f"{plan.recipe.stem}: {plan.task}, seeds {','.join(map(str, plan.seeds))}"
         plot_comparison(summary, plan.metrics, plan.out / "comparison.png", title, HIGHER_IS_BETTER)
+        plot_comparison_curves(
+            report["curves"], plan.metrics, plan.out / "curves.png", f"{title}: during training"
+        )
         return report

@@ -1,14 +1,18 @@
-"""The comparison's records and their aggregation (pure functions)."""
+"""The comparison's records and their aggregation: pure functions, but for :func:`score_curves`, which
+reads what each run logged while training."""
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import statistics
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ntil_ds.scoring import HIGHER_IS_BETTER
+from ntil_ds.tracking.step_log import METRICS_FILE
 
 EXTRA_COLUMNS = ("train_s",)  # per-run wall time of the training job (launcher start to exit)
 
@@ -117,3 +121,34 @@ def table_markdown(runs: list[RunResult], summary: dict, metrics: tuple[str, ...
             for r in failed
         ]
     return "\n".join(lines) + "\n"
+
+
+def score_curves(
+    runs: list[RunResult], metrics: tuple[str, ...]
+) -> dict[str, dict[str, dict[int, list[float]]]]:
+    """{label: {score: {step: [one value per seed]}}} from what each finished run logged while training
+    (the "generate" records of its metrics.jsonl; steps every run of a label reached)."""
+    curves: dict[str, dict[str, dict[int, list[float]]]] = {}
+    for label in dict.fromkeys(r.label for r in runs):
+        per_seed = [
+            _generated_scores(Path(r.output_dir)) for r in runs if r.label == label and r.status == "ok"
+        ]
+        curves[label] = {}
+        for metric in metrics:
+            steps = set.intersection(*(set(s.get(metric, {})) for s in per_seed)) if per_seed else set()
+            if steps:
+                curves[label][metric] = {step: [s[metric][step] for s in per_seed] for step in sorted(steps)}
+    return curves
+
+
+def _generated_scores(run_dir: Path) -> dict[str, dict[int, float]]:
+    """{score: {step: value}} of a run's generate records (the last record of a step wins)."""
+    scores: dict[str, dict[int, float]] = {}
+    path = run_dir / METRICS_FILE
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        record = json.loads(line)
+        if record.get("split") == "generate":
+            for name, value in record.items():
+                if name not in ("split", "step"):
+                    scores.setdefault(name, {})[record["step"]] = value
+    return scores

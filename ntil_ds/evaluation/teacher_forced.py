@@ -13,6 +13,7 @@ import math
 
 import torch
 
+from ntil_ds.config import Config
 from ntil_ds.constants import IGNORE_INDEX
 from ntil_ds.data import Collator, ConversationDataset
 from ntil_ds.data.batch import MicroBatch
@@ -42,17 +43,18 @@ class TeacherForcedEval:
 
     def __init__(
         self,
+        cfg: Config,
         dataset: ConversationDataset,
         collator: Collator,
         objective: Objective,
         dist_info: DistInfo,
-        *,
-        micro_batch_size: int,
-        every: int,
-        seed: int,
     ) -> None:
         self.dataset, self.collator, self.objective, self.dist = dataset, collator, objective, dist_info
-        self.micro_batch_size, self.every, self.seed = micro_batch_size, every, seed
+        self.micro_batch_size, self.every, self.seed = (
+            cfg.train.micro_batch_size,
+            cfg.train.eval_every,
+            cfg.train.seed,
+        )
 
     def due(self, step: int) -> bool:
         return bool(self.every) and step % self.every == 0

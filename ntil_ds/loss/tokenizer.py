@@ -88,3 +88,15 @@ def number_sign_and_point_ids_from_tokenizer(tokenizer: TokenizerLike) -> tuple[
             )
         found[char] = matches[0]
     return found["-"], found["."]
+
+
+def number_token_ids(tokenizer: TokenizerLike, signed: bool, decimal: bool) -> list[int]:
+    """The token ids NTIL reads: '0'..'9', then '-' when it reads signs (``signed``) and '.' when it reads
+    decimal points (``decimal``); found and checked as :class:`NTILLoss` finds them. The rows of the
+    output head that ``lora.head=number_rows`` trains."""
+    ids = digit_token_ids_from_tokenizer(tokenizer)
+    if signed or decimal:
+        minus_id, point_id = number_sign_and_point_ids_from_tokenizer(tokenizer)
+        ids += [minus_id] if signed else []
+        ids += [point_id] if decimal else []
+    return ids

@@ -105,6 +105,136 @@ def kernel_wanted(logits: torch.Tensor, kernel: str = "auto") -> ModuleType | No
     return module
 
 
+def row_partials(
+    logits: torch.Tensor, targets: torch.Tensor, column_ids: torch.Tensor, vocab_start: int, kernel
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's part of every row: ``(local_max [R], packed [R, 3 + K])``, packed as the SUM
+    all-reduce lays it out (sum of exp relative to local_max, target logit, "target owned" flag, the K
+    column logits). ``kernel``: the Triton module, or None for the torch tiles."""
+    num_columns = column_ids.numel()
+    if kernel is not None:
+        rows = _rows_contiguous(logits)
+        return kernel.forward_partials(rows, targets.contiguous(), column_ids, vocab_start, 3 + num_columns)
+    num_rows, local_vocab = logits.shape
+    device, dtype = logits.device, compute_dtype(logits.dtype)
+    local_max = torch.empty(num_rows, dtype=dtype, device=device)
+    local_sum_exp = torch.empty(num_rows, dtype=dtype, device=device)
+    for start, stop in _row_tiles(num_rows, local_vocab, device):
+        tile = logits[start:stop].to(dtype)
+        tile_max = tile.amax(dim=-1)
+        local_max[start:stop] = tile_max
+        # bf16/fp16 input: `tile` is already a private fp32 copy, shift it in place;
+        # fp32/fp64 input: `tile` is a view of the caller's logits, so shift into a temporary.
+        is_view = logits.dtype == dtype
+        shifted = tile - tile_max[:, None] if is_view else tile.sub_(tile_max[:, None])
+        local_sum_exp[start:stop] = shifted.exp_().sum(dim=-1)
+    owned, local_target, column_is_local, local_columns = _local_indices(
+        targets, column_ids, vocab_start, local_vocab
+    )
+    target_logit = logits.gather(1, local_target[:, None]).squeeze(1).to(dtype) * owned
+    # Every rank gathers all K columns (clamped into its shard) and zeroes those it does not own:
+    # on-device index math, so no host-to-device copy (a sync on CUDA) per call.
+    columns = torch.where(column_is_local, logits.index_select(1, local_columns).to(dtype), 0.0)
+    parts = [local_sum_exp[:, None], target_logit[:, None], owned.to(dtype)[:, None], columns]
+    return local_max, torch.cat(parts, dim=1)
+
+
+def reduce_rows(
+    local_max: torch.Tensor,
+    packed: torch.Tensor,
+    targets: torch.Tensor,
+    num_columns: int,
+    process_group: dist.ProcessGroup | None,
+    payload: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Every rank's parts of the rows combined (the module docstring's two all-reduces; none without a
+    group): ``(ce, columns, row_max, log_sum_exp, payload)``. ``packed`` is consumed."""
+    row_max = local_max
+    if process_group is not None:
+        row_max = local_max.clone()
+        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=process_group)
+    packed[:, 0] *= torch.exp(local_max - row_max)
+    if payload is not None:
+        packed = torch.cat([packed, payload.to(packed.dtype).reshape(packed.shape[0], -1)], dim=1)
+    if process_group is not None:
+        dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=process_group)
+    ce, columns, log_sum_exp, payload_out = _finish_rows(packed, row_max, targets >= 0, num_columns, payload)
+    return ce, columns, row_max, log_sum_exp, payload_out
+
+
+def full_row_stats(
+    logits: torch.Tensor, targets: torch.Tensor, column_ids: torch.Tensor, kernel
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows over the whole vocabulary (no group): ``(ce, columns, row_max, log_sum_exp)``; one fused
+    launch on the kernels."""
+    if kernel is not None:
+        return kernel.forward_full(_rows_contiguous(logits), targets.contiguous(), column_ids)
+    local_max, packed = row_partials(logits, targets, column_ids, 0, None)
+    ce, columns, row_max, log_sum_exp, _ = reduce_rows(
+        local_max, packed, targets, column_ids.numel(), None, None
+    )
+    return ce, columns, row_max, log_sum_exp
+
+
+def logits_gradient(
+    logits: torch.Tensor,
+    log_sum_exp: torch.Tensor,
+    targets: torch.Tensor,
+    column_ids: torch.Tensor,
+    vocab_start: int,
+    grad_ce: torch.Tensor | None,
+    grad_columns: torch.Tensor | None,
+    kernel,
+) -> torch.Tensor:
+    """The gradient of this rank's logits (in their dtype) from the gradients of the rows' CE and
+    columns: ``softmax * dCE``, less ``dCE`` at the target, plus ``dcolumns`` at the columns; an
+    unlabelled row gets 0."""
+    if kernel is not None:
+        rows = _rows_contiguous(logits)
+        return kernel.backward(
+            rows, targets.contiguous(), log_sum_exp, column_ids, vocab_start, grad_ce, grad_columns
+        )
+    num_rows, local_vocab = logits.shape
+    owned, local_target, column_is_local, local_columns = _local_indices(
+        targets, column_ids, vocab_start, local_vocab
+    )
+    # Unlabelled rows have a constant CE of 0: whatever flows into them stops here.
+    dtype = log_sum_exp.dtype
+    valid = targets >= 0
+    grad_ce = grad_ce.to(dtype) * valid if grad_ce is not None else torch.zeros_like(log_sum_exp)
+    grad_logits = torch.empty_like(logits)
+    same_dtype = logits.dtype == dtype
+    target_grad = -(grad_ce * owned)
+    if grad_columns is not None:  # columns of other shards add 0 at their clamped index
+        grad_columns = torch.where(column_is_local, grad_columns.to(dtype), 0.0)
+    for start, stop in _row_tiles(num_rows, local_vocab, logits.device):
+        # softmax * dCE, computed in fp32, straight into the gradient when it is fp32.
+        out = grad_logits[start:stop] if same_dtype else None
+        tile = torch.sub(logits[start:stop].to(dtype), log_sum_exp[start:stop, None], out=out)
+        tile.exp_().mul_(grad_ce[start:stop, None])
+        tile.scatter_add_(1, local_target[start:stop, None], target_grad[start:stop, None])
+        if grad_columns is not None:
+            tile.index_add_(1, local_columns, grad_columns[start:stop])
+        if not same_dtype:
+            grad_logits[start:stop].copy_(tile)
+    return grad_logits
+
+
+def _local_indices(targets: torch.Tensor, column_ids: torch.Tensor, vocab_start: int, local_vocab: int):
+    """(target owned [R], local target [R], column is local [K], local column [K]) in this slice."""
+    local_end = vocab_start + local_vocab
+    owned = (targets >= 0) & (targets >= vocab_start) & (targets < local_end)
+    local_target = torch.where(owned, targets - vocab_start, 0)
+    column_is_local = (column_ids >= vocab_start) & (column_ids < local_end)
+    local_columns = (column_ids - vocab_start).clamp(0, local_vocab - 1)
+    return owned, local_target, column_is_local, local_columns
+
+
+def _rows_contiguous(logits: torch.Tensor) -> torch.Tensor:
+    """The kernels walk rows with unit stride."""
+    return logits if logits.stride(1) == 1 else logits.contiguous()
+
+
 class _PositionStats(torch.autograd.Function):
     """(logits [N, V_local]) -> ce [N], column_logits [N, K]; see the module docstring."""
 
@@ -123,89 +253,26 @@ class _PositionStats(torch.autograd.Function):
         # backward instead of zero tensors: no fills, and the kernels skip the work (HAS_*_GRAD).
         ctx.set_materialize_grads(False)
         kernel = kernel_wanted(logits, kernel_choice)
-        ctx.kernel = kernel
-        if kernel is not None:
-            return _kernel_forward(
-                ctx, kernel, logits, targets, column_ids, vocab_start, process_group, payload
-            )
-        num_rows, local_vocab = logits.shape
-        device = logits.device
-        dtype = compute_dtype(logits.dtype)
-        local_max = torch.empty(num_rows, dtype=dtype, device=device)
-        local_sum_exp = torch.empty(num_rows, dtype=dtype, device=device)
-        for start, stop in _row_tiles(num_rows, local_vocab, device):
-            tile = logits[start:stop].to(dtype)
-            tile_max = tile.amax(dim=-1)
-            local_max[start:stop] = tile_max
-            # bf16/fp16 input: `tile` is already a private fp32 copy, shift it in place;
-            # fp32/fp64 input: `tile` is a view of the caller's logits, so shift into a temporary.
-            is_view = logits.dtype == dtype
-            shifted = tile - tile_max[:, None] if is_view else tile.sub_(tile_max[:, None])
-            local_sum_exp[start:stop] = shifted.exp_().sum(dim=-1)
-
-        local_end = vocab_start + local_vocab
-        valid = targets >= 0
-        owned = valid & (targets >= vocab_start) & (targets < local_end)
-        local_target = torch.where(owned, targets - vocab_start, 0)
-        target_logit = logits.gather(1, local_target[:, None]).squeeze(1).to(dtype) * owned
-
-        # Every rank gathers all K columns (clamped into its shard) and zeroes those it does not
-        # own: on-device index math, so no host-to-device copy (a sync on CUDA) per call.
-        column_is_local = (column_ids >= vocab_start) & (column_ids < local_end)
-        local_columns = (column_ids - vocab_start).clamp(0, local_vocab - 1)
-        columns = torch.where(column_is_local, logits.index_select(1, local_columns).to(dtype), 0.0)
-        num_columns = column_ids.numel()
-
-        row_max = local_max
-        if process_group is not None:
-            row_max = local_max.clone()
-            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=process_group)
-        scaled_sum_exp = local_sum_exp * torch.exp(local_max - row_max)
-        parts = [scaled_sum_exp[:, None], target_logit[:, None], owned.to(dtype)[:, None], columns]
-        if payload is not None:
-            parts.append(payload.to(dtype).reshape(num_rows, -1))
-        packed = torch.cat(parts, dim=1)
-        if process_group is not None:
-            dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=process_group)
-        ce, columns, log_sum_exp, payload_out = _finish_rows(packed, row_max, valid, num_columns, payload)
-
-        ctx.save_for_backward(logits, log_sum_exp, local_target, owned, valid, local_columns, column_is_local)
-        if payload_out is not None:
-            ctx.mark_non_differentiable(row_max, payload_out)
+        ctx.kernel, ctx.vocab_start = kernel, vocab_start
+        if process_group is None:
+            ce, columns, row_max, log_sum_exp = full_row_stats(logits, targets, column_ids, kernel)
+            payload_out = None if payload is None else payload.to(compute_dtype(logits.dtype), copy=True)
         else:
-            ctx.mark_non_differentiable(row_max)
+            local_max, packed = row_partials(logits, targets, column_ids, vocab_start, kernel)
+            ce, columns, row_max, log_sum_exp, payload_out = reduce_rows(
+                local_max, packed, targets, column_ids.numel(), process_group, payload
+            )
+        ctx.save_for_backward(logits, log_sum_exp, targets, column_ids)
+        ctx.mark_non_differentiable(row_max, *([] if payload_out is None else [payload_out]))
         return ce, columns, row_max, payload_out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_ce, grad_columns, _grad_row_max, _grad_payload):
-        if ctx.kernel is not None:
-            logits, log_sum_exp, targets, column_ids = ctx.saved_tensors
-            grad_logits = ctx.kernel.backward(
-                logits, targets, log_sum_exp, column_ids, ctx.vocab_start, grad_ce, grad_columns
-            )
-            return grad_logits, None, None, None, None, None, None
-        logits, log_sum_exp, local_target, owned, valid, local_columns, column_is_local = ctx.saved_tensors
-        num_rows, local_vocab = logits.shape
-        device = logits.device
-        # Unlabelled rows have a constant CE of 0: whatever flows into them stops here.
-        dtype = log_sum_exp.dtype
-        grad_ce = grad_ce.to(dtype) * valid if grad_ce is not None else torch.zeros_like(log_sum_exp)
-        grad_logits = torch.empty_like(logits)
-        same_dtype = logits.dtype == dtype
-        target_grad = -(grad_ce * owned)
-        if grad_columns is not None:  # columns of other shards add 0 at their clamped index
-            grad_columns = torch.where(column_is_local, grad_columns.to(dtype), 0.0)
-        for start, stop in _row_tiles(num_rows, local_vocab, device):
-            # softmax * dCE, computed in fp32, straight into the gradient when it is fp32.
-            out = grad_logits[start:stop] if same_dtype else None
-            tile = torch.sub(logits[start:stop].to(dtype), log_sum_exp[start:stop, None], out=out)
-            tile.exp_().mul_(grad_ce[start:stop, None])
-            tile.scatter_add_(1, local_target[start:stop, None], target_grad[start:stop, None])
-            if grad_columns is not None:
-                tile.index_add_(1, local_columns, grad_columns[start:stop])
-            if not same_dtype:
-                grad_logits[start:stop].copy_(tile)
+        logits, log_sum_exp, targets, column_ids = ctx.saved_tensors
+        grad_logits = logits_gradient(
+            logits, log_sum_exp, targets, column_ids, ctx.vocab_start, grad_ce, grad_columns, ctx.kernel
+        )
         return grad_logits, None, None, None, None, None, None
 
 
@@ -223,40 +290,6 @@ def _finish_rows(
     ce = torch.where(valid, log_sum_exp - target_logit, 0.0)
     ce = torch.where(valid & ((owned_anywhere - 1.0).abs() > 0.5), float("nan"), ce)
     return ce, columns, log_sum_exp, payload_out
-
-
-def _kernel_forward(ctx, kernel, logits, targets, column_ids, vocab_start, process_group, payload):
-    """`_PositionStats.forward` on the Triton kernels: the same outputs, collectives and NaN rules."""
-    num_rows = logits.shape[0]
-    if logits.stride(1) != 1:  # the kernels walk rows with unit stride
-        logits = logits.contiguous()
-    targets = targets.contiguous()
-    column_ids = column_ids.contiguous()
-    num_columns = column_ids.numel()
-    if payload is not None:
-        payload = payload.reshape(num_rows, -1)
-    if process_group is None:
-        ce, columns, row_max, log_sum_exp = kernel.forward_full(logits, targets, column_ids)
-        payload_out = None if payload is None else payload.to(torch.float32, copy=True)
-    else:
-        width = 3 + num_columns + (payload.shape[1] if payload is not None else 0)
-        local_max, packed = kernel.forward_partials(logits, targets, column_ids, vocab_start, width)
-        row_max = local_max.clone()
-        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=process_group)
-        packed[:, 0] *= torch.exp(local_max - row_max)
-        if payload is not None:
-            packed[:, 3 + num_columns :] = payload
-        dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=process_group)
-        ce, columns, log_sum_exp, payload_out = _finish_rows(
-            packed, row_max, targets >= 0, num_columns, payload
-        )
-    ctx.vocab_start = vocab_start
-    ctx.save_for_backward(logits, log_sum_exp, targets, column_ids)
-    if payload_out is not None:
-        ctx.mark_non_differentiable(row_max, payload_out)
-    else:
-        ctx.mark_non_differentiable(row_max)
-    return ce, columns, row_max, payload_out
 
 
 def position_stats(

@@ -6,40 +6,29 @@ rank first): :func:`load_model` creates ``HfDeepSpeedConfig`` before ``from_pret
 weight init. transformers keeps only a weak reference to that object, so :class:`LoadedModel` holds it
 for as long as the model lives. The processor is loaded by ``ntil_ds.data.load_processor`` (the data
 pipeline owns it); the trainer brings the two together.
+
+transformers, peft and bitsandbytes are imported inside the functions that need them: importing this
+module (the entry point's checks, the memory estimator's vocabulary) must not cost their import time.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
 
 from ntil_ds.config import ConfigError, LoraConfig, ModelConfig
 from ntil_ds.model.kernels import apply_kernels, require_kernels
+from ntil_ds.model.lora import apply_lora
+from ntil_ds.model.parts import DTYPES, Kind, auto_model_class, has_vision, model_kind, model_part
+from ntil_ds.model.quantize import check_quantized, quantization_kwargs
 
 log = logging.getLogger(__name__)
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-# Parameter-name markers of the parts the freeze flags address, across the model families we train
-# (transformers 5.x names): Qwen2-VL / Qwen2.5-VL / Qwen3-VL keep the vision tower in ``model.visual``
-# with the projector as ``visual.merger`` (+ ``deepstack_merger_list`` in Qwen3-VL); LLaVA-style models
-# have ``vision_tower`` and ``multi_modal_projector``; SmolVLM has ``vision_model``, ``connector`` and
-# ``text_model``; the language model is ``language_model`` (or ``text_model``) plus the output head.
-PROJECTOR_MARKERS = (
-    "multi_modal_projector.",
-    "visual.merger.",
-    "visual.deepstack_merger_list.",
-    "connector.",
-)
-VISION_MARKERS = ("vision_tower.", "visual.", "vision_model.")
-LANGUAGE_MARKERS = ("language_model.", "text_model.", "lm_head.")
-
-ModelPart = Literal["vision_tower", "projector", "language_model", "other"]
 
 
 @dataclass
@@ -47,7 +36,7 @@ class LoadedModel:
     """A built model with what belongs with it."""
 
     model: nn.Module
-    kind: Literal["mllm", "llm"]
+    kind: Kind
     dtype: torch.dtype
     attn_implementation: str
     # HfDeepSpeedConfig: must outlive the model under ZeRO-3 (transformers holds a weakref).
@@ -69,25 +58,20 @@ def resolve_attn_implementation(requested: str, device: torch.device | None = No
     return requested
 
 
-def model_kind(cfg: ModelConfig, hf_config: Any) -> Literal["mllm", "llm"]:
-    """``auto``: an MLLM when the config has a vision part, else an LLM."""
-    if cfg.kind != "auto":
-        return cfg.kind
-    return "mllm" if getattr(hf_config, "vision_config", None) is not None else "llm"
-
-
 def load_model(
     cfg: ModelConfig,
     ds_config: dict[str, Any] | None = None,
     device: torch.device | None = None,
     lora: LoraConfig | None = None,
+    number_rows: Sequence[int] | None = None,
 ) -> LoadedModel:
     """Build the model described by ``cfg`` (random weights come from torch's global RNG: seed first).
 
     ``ds_config``: the merged DeepSpeed config; with ZeRO stage 3 the parameters are partitioned over
     the ranks as they are created. None: a plain single-process model (evaluation, export checks).
+    ``number_rows``: the head rows ``lora.head=number_rows`` trains (the token ids NTIL reads).
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers import AutoConfig
     from transformers.integrations import HfDeepSpeedConfig, is_deepspeed_zero3_enabled
 
     require_kernels(cfg.kernels)  # a missing package fails here, before minutes of model loading
@@ -95,21 +79,19 @@ def load_model(
     zero3_config = HfDeepSpeedConfig(ds_config) if ds_config is not None else None
 
     hf_config = AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
-    kind = model_kind(cfg, hf_config)
-    auto_class = AutoModelForImageTextToText if kind == "mllm" else AutoModelForCausalLM
+    # model.kind against the checkpoint: a contradiction is a ConfigError here, before any weight is read.
+    auto_class = auto_model_class(cfg.kind, hf_config)
+    kind = model_kind(cfg.kind, hf_config)
     attn = resolve_attn_implementation(cfg.attn_implementation, device)
     dtype = DTYPES[cfg.dtype]
     common = {"dtype": dtype, "attn_implementation": attn, "trust_remote_code": cfg.trust_remote_code}
     if cfg.init == "random":
         model = auto_class.from_config(hf_config, **common)
     else:
-        from ntil_ds.model.lora import quantization_kwargs  # QLoRA: 4-bit base weights, else nothing
-
+        # QLoRA: 4-bit base weights, else nothing
         quantization = quantization_kwargs(cfg, lora, device, partitioned=is_deepspeed_zero3_enabled())
         model = auto_class.from_pretrained(cfg.name_or_path, config=hf_config, **common, **quantization)
         if quantization:
-            from ntil_ds.model.lora import check_quantized
-
             check_quantized(model, lora)
     log.info(
         "model %s (%s, %s, init=%s) attention=%s",
@@ -132,10 +114,8 @@ def load_model(
         log.info("frozen: %s", ", ".join(f"{part} ({n} tensors)" for part, n in frozen.items()))
     if use_lora:
         # ``lora``: the recipe's lora block; the model comes back wrapped in peft (ntil_ds/model/lora.py):
-        # the base frozen, adapters and lora.modules_to_save trained.
-        from ntil_ds.model.lora import apply_lora
-
-        model = apply_lora(model, cfg, lora)
+        # the base frozen, adapters, lora.modules_to_save and what lora.head says trained.
+        model = apply_lora(model, cfg, lora, number_rows)
     return LoadedModel(
         model=model,
         kind=kind,
@@ -143,19 +123,6 @@ def load_model(
         attn_implementation=attn,
         zero3_config=zero3_config,
     )
-
-
-def model_part(param_name: str) -> ModelPart:
-    """Which part a parameter belongs to, by its name (projector is checked before the vision tower,
-    since Qwen's projector lives inside ``visual``)."""
-    name = f".{param_name}"
-    if any(f".{m}" in name for m in PROJECTOR_MARKERS):
-        return "projector"
-    if any(f".{m}" in name for m in VISION_MARKERS):
-        return "vision_tower"
-    if any(f".{m}" in name for m in LANGUAGE_MARKERS):
-        return "language_model"
-    return "other"
 
 
 def freeze_parts(model: nn.Module, cfg: ModelConfig) -> dict[str, int]:
@@ -170,11 +137,11 @@ def freeze_parts(model: nn.Module, cfg: ModelConfig) -> dict[str, int]:
         "projector": cfg.freeze_projector,
         "language_model": cfg.freeze_language_model,
     }
-    has_vision = getattr(model.config, "vision_config", None) is not None
+    vision = has_vision(model.config)
     counts: dict[str, int] = {part: 0 for part, on in wanted.items() if on}
     for name, param in model.named_parameters():
-        part = model_part(name) if has_vision else "language_model"
-        if part == "other" and has_vision:
+        part = model_part(name) if vision else "language_model"
+        if part == "other" and vision:
             # Embeddings / norms outside named sub-models belong to the language model.
             part = "language_model"
         if wanted.get(part, False):

@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.uri:
         parser.error("give --uri (or set MLFLOW_TRACKING_URI): the store to import into")
 
-    from ntil_ds.tracking.mlflow_store import import_journal
+    from ntil_ds.tracking.mlflow_import import import_journal
 
     for session, writer in import_journal(args.journal, args.uri):
         print(

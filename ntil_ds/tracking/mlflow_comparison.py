@@ -4,16 +4,12 @@ with the job's test scores logged into it and the grid's summary into the parent
 from __future__ import annotations
 
 import math
-import re
 from pathlib import Path
 from typing import Any
 
 from mlflow import MlflowClient
 
-
-def metric_key(name: str) -> str:
-    """MLflow keys allow letters, digits, _ - . / and spaces: "acc@0.5" -> "acc_at_0.5"."""
-    return re.sub(r"[^A-Za-z0-9_\-./ ]", "_", name.replace("@", "_at_"))
+from ntil_ds.tracking.step_log import metric_key
 
 
 class ComparisonRuns:

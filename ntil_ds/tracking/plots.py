@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import math
 import re
+import statistics
 from pathlib import Path
 
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
+
+from ntil_ds.scoring import HIGHER_IS_BETTER, TASK_METRICS
+from ntil_ds.tracking.step_log import metric_key
 
 # Metric names (last part after "/") drawn in each panel of the loss plot.
 OBJECTIVE_KEYS = ("loss", "ce", "ntil")
@@ -101,10 +105,36 @@ def digit_position_series(history: History) -> dict[str, dict[int, float]]:
     return {f"{prefix}step {step}": by_step[(prefix, step)] for prefix, step in chosen}
 
 
+def plot_score_curves(history: History, path: Path) -> Path | None:
+    """The scores of generated answers during training (``eval/<score>``, the task's shown scores), one
+    panel each against the step; None when the run logged none."""
+    keys = [
+        f"eval/{metric_key(name)}"
+        for name in dict.fromkeys(n for shown in TASK_METRICS.values() for n in shown)
+    ]
+    keys = [key for key in keys if history.get(key)]
+    if not keys:
+        return None
+    fig = Figure(figsize=(3.6 * len(keys) + 0.5, 3.4), layout="constrained")
+    for ax, key in zip(fig.subplots(1, len(keys), squeeze=False)[0], keys, strict=True):
+        steps = sorted(history[key])
+        ax.plot(steps, [history[key][s] for s in steps], marker="o", label=key)
+        name = key.split("/", 1)[1]
+        higher = name in {metric_key(n) for n in HIGHER_IS_BETTER}
+        ax.set_title(f"{name} ({'higher' if higher else 'lower'} is better)", fontsize=9)
+        ax.set_xlabel("optimizer step")
+        _finish_axes(ax)
+    fig.suptitle("generated answers during training", fontsize=10)
+    return _save(fig, path)
+
+
 def plot_run_history(history: History, out_dir: Path) -> list[Path]:
-    """Every plot the history allows, as PNGs in ``out_dir``: loss curves; digit-position error when
-    the run logged ``digit_acc_pos<i>`` metrics."""
-    drawn = [plot_loss_curves(history, Path(out_dir) / "loss_curves.png")]
+    """Every plot the history allows, as PNGs in ``out_dir``: loss curves; the scores of generated
+    answers; digit-position error when the run logged ``digit_acc_pos<i>`` metrics."""
+    drawn = [
+        plot_loss_curves(history, Path(out_dir) / "loss_curves.png"),
+        plot_score_curves(history, Path(out_dir) / "eval_scores.png"),
+    ]
     series = digit_position_series(history)
     if series:
         drawn.append(plot_digit_position_error(series, Path(out_dir) / "digit_position_error.png"))
@@ -125,5 +155,36 @@ def plot_comparison(
         better = "higher" if metric in higher_is_better else "lower"
         ax.set_title(f"{metric} ({better} is better)", fontsize=9)
         ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(title, fontsize=10)
+    return _save(fig, path)
+
+
+def plot_comparison_curves(
+    curves: dict[str, dict[str, dict[int, list[float]]]], metrics: tuple[str, ...], path: Path, title: str
+) -> Path | None:
+    """One panel per score against the step, one line per loss (the mean over seeds) with the seeds'
+    spread as a band (mean +- sample std); ``curves``: {loss: {score: {step: [a value per seed]}}}.
+    None when no run logged scores while training (eval.generate_every=0)."""
+    shown = [m for m in metrics if any(curves[label].get(m) for label in curves)]
+    if not shown:
+        return None
+    fig = Figure(figsize=(3.8 * len(shown) + 0.5, 3.6), layout="constrained")
+    for ax, metric in zip(fig.subplots(1, len(shown), squeeze=False)[0], shown, strict=True):
+        for colour, (label, by_metric) in enumerate(curves.items()):
+            series = by_metric.get(metric, {})
+            steps = sorted(series)
+            if not steps:
+                continue
+            means = [statistics.fmean(series[s]) for s in steps]
+            spread = [statistics.stdev(series[s]) if len(series[s]) > 1 else 0.0 for s in steps]
+            ax.plot(steps, means, color=f"C{colour}", marker="." if len(steps) < 30 else None, label=label)
+            low = [m - s for m, s in zip(means, spread, strict=True)]
+            high = [m + s for m, s in zip(means, spread, strict=True)]
+            ax.fill_between(steps, low, high, color=f"C{colour}", alpha=0.2)
+        ax.set_title(
+            f"{metric} ({'higher' if metric in HIGHER_IS_BETTER else 'lower'} is better)", fontsize=9
+        )
+        ax.set_xlabel("optimizer step")
+        _finish_axes(ax)
     fig.suptitle(title, fontsize=10)
     return _save(fig, path)

@@ -3,25 +3,32 @@
 
 ``metrics.jsonl`` (in ``output_dir``): one JSON object per line, ``{"split": "train", "step": 3,
 "loss": ..., "ce": ..., "ntil": ..., "emd": ..., "rel": ..., "mag": ..., "lr": ..., "grad_norm": ...,
-"tokens_per_s": ...}`` and ``{"split": "eval", "step": ..., "loss": ..., "token_acc": ...,
-"digit_acc": ...}``. After a resume the steps past the checkpoint appear again: the last line of a step
-is the one that counts.
+"tokens_per_s": ...}``, ``{"split": "eval", "step": ..., "loss": ..., "token_acc": ..., "digit_acc": ...}``
+(teacher-forced) and ``{"split": "generate", "step": ..., "parse_rate": ..., "abs_error": ...}`` (the
+scores of generated answers; in the tracker as ``eval/<score>``). After a resume the steps past the
+checkpoint appear again: the last line of a step is the one that counts.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
-from ntil_ds.tracking.tracker import Tracker
+from ntil_ds.tracking.base import Tracker
 
 log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
+
+
+def metric_key(name: str) -> str:
+    """MLflow keys allow letters, digits, _ - . / and spaces: "acc@0.5" -> "acc_at_0.5"."""
+    return re.sub(r"[^A-Za-z0-9_\-./ ]", "_", name.replace("@", "_at_"))
 
 
 class StepLog:
@@ -65,14 +72,25 @@ class StepLog:
                 f"tokens/s {metrics['tokens_per_s']:.0f}"
             )
 
-    def eval(self, step: int, metrics: dict[str, float], split: str = "eval") -> None:
+    def eval(self, step: int, metrics: dict[str, float]) -> None:
+        """Teacher-forced evaluation (ntil_ds/evaluation/teacher_forced.py)."""
         if not self.is_main:
             return
-        self._append({"split": split, "step": step, **metrics})
-        self.tracker.log_metrics({f"{split}/{k}": v for k, v in metrics.items()}, step=step)
+        self._append({"split": "eval", "step": step, **metrics})
+        self.tracker.log_metrics({f"eval/{k}": v for k, v in metrics.items()}, step=step)
         shown = " ".join(f"{k} {v:.4f}" for k, v in metrics.items())
-        log.info("%s at step %d: %s", split, step, shown)
-        tqdm.write(f"{split} step {step}: {shown}")
+        log.info("eval at step %d: %s", step, shown)
+        tqdm.write(f"eval step {step}: {shown}")
+
+    def numeric(self, step: int, scores: dict[str, float]) -> None:
+        """The scores of generated answers (ntil_ds/evaluation/numeric.py)."""
+        if not self.is_main:
+            return
+        self._append({"split": "generate", "step": step, **scores})
+        self.tracker.log_metrics({metric_key(f"eval/{k}"): v for k, v in scores.items()}, step=step)
+        shown = " ".join(f"{k} {v:.4g}" for k, v in scores.items())
+        log.info("generated answers at step %d: %s", step, shown)
+        tqdm.write(f"generate step {step}: {shown}")
 
     def close(self) -> None:
         self.progress.close()

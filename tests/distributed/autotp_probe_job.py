@@ -25,6 +25,7 @@ def probe(module: torch.nn.Module, inputs: tuple, output: torch.Tensor) -> None:
                 "vocab_start": int(module.vocab_start_index),
                 "vocab_end": int(module.vocab_end_index),
                 "vocab_size": int(module.vocab_size),
+                "training": module.training,  # False: a forward of generation during evaluation
             }
         )
 

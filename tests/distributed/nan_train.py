@@ -19,11 +19,11 @@ from pathlib import Path
 import torch
 
 from launch.train import parse_args
-from ntil_ds.checkpoint import export_hf_folder
 from ntil_ds.config import load_config
 from ntil_ds.dist import DistInfo, exit_process
 from ntil_ds.ds_config import load_deepspeed_json, merge_deepspeed_config
 from ntil_ds.engine import init_distributed
+from ntil_ds.export import export_hf_folder
 from ntil_ds.nonfinite import NonFiniteLossError
 from ntil_ds.trainer import Trainer
 

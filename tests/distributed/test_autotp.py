@@ -79,7 +79,13 @@ def runs(tmp_path_factory) -> dict[str, object]:
         "model.kind": "llm",
         "model.dtype": "float32",
         "data.train_file": data,
-        "data.eval_file": "",
+        "data.eval_file": data,
+        # generated answers at the last step, through the vocab-parallel head in the tp=2 run
+        "eval.generate_every": STEPS,
+        "eval.generate_samples": 4,
+        "eval.max_new_tokens": 6,
+        "eval.batch_size": 2,
+        "eval.task": "arithmetic",
         "data.shuffle": "false",
         "train.max_steps": STEPS,
         "train.micro_batch_size": MICRO_BATCH,
@@ -126,12 +132,17 @@ def test_each_rank_holds_its_vocab_slice_of_the_logits(runs):
     slices = []
     for rank in (0, 1):
         records = json.loads((runs["probe_dir"] / f"rank{rank}.json").read_text())
-        # One forward per micro-batch: STEPS x 2 accumulation steps, all through the sharded head.
-        assert len(records) == STEPS * 2, records
+        training = [r for r in records if r["training"]]
+        # One forward per micro-batch: STEPS x 2 accumulation steps, all through the sharded head; then
+        # the forwards of generation (at least one per new token), sharded too.
+        assert len(training) == STEPS * 2, records
+        assert len(records) - len(training) >= 6
         for record in records:
             width = record["vocab_end"] - record["vocab_start"]
             assert record["vocab_size"] == vocab
-            assert record["shape"][0] == MICRO_BATCH and record["shape"][2] == width, record
+            assert record["shape"][-1] == width and (
+                not record["training"] or record["shape"][0] == MICRO_BATCH
+            )
         slices.append((records[0]["vocab_start"], records[0]["vocab_end"]))
     # Uneven split, contiguous, covering the whole vocabulary: [0, 258) and [258, 515).
     assert slices == [(0, (vocab + 1) // 2), ((vocab + 1) // 2, vocab)], slices
@@ -151,6 +162,13 @@ def test_tp2_losses_equal_tp1(runs):
         for key in ("loss", "ce", "ntil", "emd", "rel", "mag", "labelled_tokens"):
             assert tp2[step][key] == pytest.approx(tp1[step][key], rel=1e-5, abs=1e-7), (step, key)
     assert tp1[STEPS]["loss"] < tp1[1]["loss"]  # it trained (not a frozen model agreeing with itself)
+    # Generated answers: the vocab slices gathered before each greedy choice give tp=1's answers.
+    answers = {
+        name: (runs["root"] / name / "generated" / f"step_{STEPS:08d}.jsonl").read_text().splitlines()
+        for name in ("tp1", "tp2")
+    }
+    assert len(answers["tp1"]) == 4 and answers["tp2"] == answers["tp1"]
+    assert train_metrics(runs["root"] / "tp2", split="generate")[STEPS]["n"] == 4
 
 
 @pytest.mark.timeout(JOB_TIMEOUT_S + 60)

@@ -44,6 +44,9 @@ def comparison(tmp_path_factory):
         "train.global_batch_size=2",
         "optim.warmup_steps=0",
         "train.log_every=1",
+        "eval.generate_every=1",  # scores while training: the curves
+        "eval.generate_samples=4",
+        "eval.max_new_tokens=4",
     ]
     result = subprocess.run(
         command, cwd=REPO_ROOT, env=launch_env(), capture_output=True, text=True, timeout=1700
@@ -90,6 +93,13 @@ def test_table_and_plot(comparison):
     assert "Failed runs (1):" in table and "global_batch_size=3" in table
     png = (out / "comparison.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 5000
+    # the scores each run logged while training, per step and seed, and their plot
+    report = json.loads((out / "results.json").read_text())
+    for label in ("ce", "ntl"):
+        assert sorted(report["curves"][label]["parse_rate"]) == ["1", "2"]  # JSON keys
+        assert all(len(values) == 1 for values in report["curves"][label]["parse_rate"].values())
+    assert not report["curves"][FAILING]
+    assert (out / "curves.png").read_bytes().startswith(b"\x89PNG")
 
 
 def test_mlflow_parent_with_a_child_per_job(comparison):
@@ -102,7 +112,7 @@ def test_mlflow_parent_with_a_child_per_job(comparison):
     assert parent.info.status == "FINISHED" and parent.data.tags["ntil_ds.comparison"] == "parent"
     assert "ce/parse_rate_mean" in parent.data.metrics and "ntl/abs_error_std" in parent.data.metrics
     artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
-    assert {"results.json", "table.md", "comparison.png"} <= artifacts
+    assert {"results.json", "table.md", "comparison.png", "curves.png"} <= artifacts
     children = client.search_runs(
         [parent.info.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'"
     )

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from ntil_ds.model.tiny import build_tiny_model_folder
+from ntil_ds.tiny import build_tiny_model_folder
 
 REPO = Path(__file__).resolve().parents[2]
 JOB = Path(__file__).with_name("data_fake_image_job.py")

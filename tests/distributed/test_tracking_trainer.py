@@ -40,7 +40,7 @@ def first_logged(output_dir: Path, split: str) -> dict[int, dict]:
 @pytest.fixture(scope="module")
 def killed_and_resumed(tmp_path_factory):
     from ntil_ds.data.synthetic import write_dataset
-    from ntil_ds.model.tiny import build_tiny_model_folder
+    from ntil_ds.tiny import build_tiny_model_folder
 
     root = tmp_path_factory.mktemp("tracked_trainer")
     model_dir = build_tiny_model_folder("qwen2_vl", root / "model")

@@ -2,8 +2,9 @@
 Qwen2-VL folder, mixed text/image batches. Only adapters, the output head and the projector train;
 checkpoints hold those and no frozen base; a killed job resumes to the same losses; the export is a peft
 adapter that reloads onto the base, and a merged folder that loads with plain ``from_pretrained`` and
-computes what the adapter does. QLoRA (4-bit nf4 base, bitsandbytes on CPU) trains under ZeRO-2 and
-ZeRO-3 and resumes after a kill.
+computes what the adapter does. QLoRA (4-bit nf4 base, bitsandbytes on CPU) with ``lora.head=number_rows``
+(of the head only the digits' rows train, as a delta) trains under ZeRO-2 and ZeRO-3 and resumes after
+a kill; its merged export is the dequantized base plus the adapters, and the base head plus the delta.
 """
 
 from __future__ import annotations
@@ -103,7 +104,9 @@ def test_lora_trains_only_adapters_head_and_projector(uninterrupted):
     assert not any("visual.blocks" in k or "embed_tokens" in k for k in saved)  # frozen parts stay out
     # The checkpoints hold what trains and its optimizer state, not a copy of the frozen base.
     checkpoint = out / "checkpoints" / f"step_{STEPS:08d}"
-    for states in checkpoint.glob("*model_states.pt"):
+    model_states = sorted(checkpoint.glob("*model_states.pt"))
+    assert len(model_states) == 2, sorted(checkpoint.parent.glob("*/*"))  # one per ZeRO-3 rank
+    for states in model_states:
         content = torch.load(states, map_location="cpu", weights_only=False)
         assert content["module"] and all("lora_" in k or "modules_to_save" in k for k in content["module"])
         assert not content.get("frozen_param_fragments"), states.name
@@ -116,7 +119,7 @@ def test_lora_export_adapter_and_merged_model_reload(setup, uninterrupted):
     from transformers import AutoModelForImageTextToText
 
     from ntil_ds.data import Collator, ConversationDataset, load_processor
-    from ntil_ds.model.lora import merged_state_dict
+    from ntil_ds.export import merged_state_dict
 
     _, model_dir, data_file = setup
     out = uninterrupted[0]
@@ -169,7 +172,14 @@ def test_killed_lora_job_resumes_to_the_same_losses(setup, uninterrupted):
             assert metrics[step][key] == pytest.approx(reference[step][key], rel=1e-6, abs=1e-7), (step, key)
 
 
-QLORA = {**LORA, "lora.quantize": "nf4", "train.max_steps": 4, "train.save_every": 2}
+QLORA = {
+    **LORA,
+    "lora.quantize": "nf4",
+    "lora.head": "number_rows",  # (LoRA above keeps lora.modules_to_save=lm_head: the old spelling of full)
+    "lora.modules_to_save": "",
+    "train.max_steps": 4,
+    "train.save_every": 2,
+}
 
 
 @pytest.fixture(scope="module")
@@ -214,15 +224,54 @@ def test_killed_qlora_job_under_zero3_resumes_to_the_zero2_losses(setup, qlora_z
     for step in range(1, 5):
         for key in ("loss", "ce", "grad_norm"):
             assert metrics[step][key] == pytest.approx(reference[step][key], rel=1e-4), (step, key)
-    # The merged export is a plain 16-bit model: the dequantized base (within nf4's error of the folder's
-    # weights) with the adapters folded in.
+    # The step-2 checkpoint holds what trains (adapters, projector, the head's delta: no copy of the
+    # head), and of the 4-bit base only bitsandbytes' small quantization-state entries (ignored on
+    # load), not the packed weights.
+    model_states = sorted((out / "checkpoints" / "step_00000002").glob("*model_states.pt"))
+    assert len(model_states) == 2
+    for states in model_states:
+        content = torch.load(states, map_location="cpu", weights_only=False)
+        trained = [
+            k for k in content["module"] if "lora_" in k or "modules_to_save" in k or k.endswith(".delta")
+        ]
+        assert "base_model.model.lm_head.delta" in trained and not content.get("frozen_param_fragments")
+        assert not any("lm_head.modules_to_save" in k for k in trained), states.name
+        rest = set(content["module"]) - set(trained)
+        assert all(".base_layer.weight." in k for k in rest), sorted(rest)[:5]  # quant-state entries only
+    # The merged export is a plain 16-bit model: each 4-bit weight dequantized, plus B A (alpha / r) from
+    # the exported adapter. The reference quantizes the folder's weight with bitsandbytes itself (nf4,
+    # double quantization, blocks of 64: what the 4-bit load does) and dequantizes it.
+    import bitsandbytes as bnb
+    from safetensors.torch import load_file
     from transformers import AutoModelForImageTextToText
 
     merged, info = AutoModelForImageTextToText.from_pretrained(
         out / "export" / "merged", dtype=torch.float32, output_loading_info=True
     )
     assert not any(info.values()) and getattr(merged.config, "quantization_config", None) is None, info
-    name = "model.language_model.layers.1.mlp.down_proj.weight"
-    weight, original = merged.get_parameter(name), _base_model(model_dir).get_parameter(name)
-    assert not torch.equal(weight, original)
-    assert (weight - original).abs().max() < 0.25 * original.abs().max()
+    adapter = load_file(out / "export" / "adapter_model.safetensors")
+    layer = "model.language_model.layers.1.mlp.down_proj"
+    original = _base_model(model_dir).get_parameter(f"{layer}.weight").detach()
+    packed, state = bnb.functional.quantize_4bit(
+        original, blocksize=64, compress_statistics=True, quant_type="nf4", quant_storage=torch.float32
+    )
+    dequantized = bnb.functional.dequantize_4bit(packed, state)
+    a = adapter[f"base_model.model.{layer}.lora_A.weight"].float()
+    b = adapter[f"base_model.model.{layer}.lora_B.weight"].float()
+    want = dequantized + 2.0 * (b @ a)  # alpha / r = 8 / 4
+    assert (want - dequantized).abs().max() > 1e-4  # the adapter trained: leaving it out would show
+    torch.testing.assert_close(merged.get_parameter(f"{layer}.weight"), want, rtol=1e-6, atol=1e-7)
+    # The head: the folder's (16-bit) head with the trained delta added to the digits' rows, exactly.
+    # The adapter carries the delta as peft's rank-k LoRA on lm_head: A the delta, B the rows' one-hot
+    # columns; the rows are the digits the tokenizer spells (found here through the loss's lookup).
+    from ntil_ds.data import load_processor, tokenizer_of
+    from ntil_ds.loss import digit_token_ids_from_tokenizer
+
+    rows = digit_token_ids_from_tokenizer(tokenizer_of(load_processor(model_dir)))
+    delta = adapter["base_model.model.lm_head.lora_A.weight"]
+    one_hot = adapter["base_model.model.lm_head.lora_B.weight"]
+    assert torch.equal(one_hot[rows], torch.eye(len(rows))) and one_hot.sum() == len(rows)
+    assert delta.shape == (len(rows), merged.config.text_config.hidden_size) and delta.abs().max() > 0
+    head = _base_model(model_dir).lm_head.weight.detach().clone()
+    head[rows] += delta
+    assert torch.equal(merged.lm_head.weight, head)

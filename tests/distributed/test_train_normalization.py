@@ -28,7 +28,7 @@ def pretrained_tiny_model(tmp_path_factory):
     """A tiny Qwen2-VL with saved random weights: both runs start from the very same parameters."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
-    from ntil_ds.model.tiny import build_tiny_model_folder
+    from ntil_ds.tiny import build_tiny_model_folder
 
     root = tmp_path_factory.mktemp("parity")
     folder = build_tiny_model_folder("qwen2_vl", root / "model")

@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 def pretrained_tiny_model(tmp_path_factory):
     from transformers import AutoConfig, AutoModelForImageTextToText
 
-    from ntil_ds.model.tiny import build_tiny_model_folder
+    from ntil_ds.tiny import build_tiny_model_folder
 
     root = tmp_path_factory.mktemp("packing")
     folder = build_tiny_model_folder("qwen2_vl", root / "model")

@@ -6,7 +6,7 @@ import json
 import random
 from pathlib import Path
 
-from ntil_ds.model.tiny import build_tiny_model_folder
+from ntil_ds.tiny import build_tiny_model_folder
 
 
 def tiny_qwen2_folder(out_dir: Path, extra_vocab_rows: int = 0) -> Path:

@@ -115,7 +115,7 @@ def tiny_job_overrides(out: Path, model_dir: Path, data_file: Path, **extra: obj
 def tiny_model_and_data(root: Path, kind: str, n: int, image_size: int) -> tuple[Path, Path, Path]:
     """``(root, model folder, train JSONL)``: a tiny random ``kind`` model folder and mixed text/image
     arithmetic data (see :func:`write_mixed_arithmetic_data`) under ``root``."""
-    from ntil_ds.model.tiny import build_tiny_model_folder
+    from ntil_ds.tiny import build_tiny_model_folder
 
     model_dir = build_tiny_model_folder(kind, root / "model")
     return root, model_dir, write_mixed_arithmetic_data(root / "data", n=n, image_size=image_size)

@@ -13,6 +13,7 @@ import pytest
 
 from ntil_ds.config import TrackingConfig
 from ntil_ds.tracking import build_tracker
+from ntil_ds.tracking.journal import now_ms
 
 pytestmark = pytest.mark.faults
 
@@ -44,11 +45,16 @@ def warnings_of(caplog) -> list[str]:
 
 
 def test_a_torn_last_line_is_cut_with_one_warning_and_the_resumed_run_finishes(tmp_path, caplog):
+    """The killed job's steps 1-3 reach the store only through the resumed job's backlog replay."""
     first = tracker_for(tmp_path)
+    # The job is killed before its sender ever woke: steps 1-3 are in the journal, written as
+    # log_metrics writes them but without waking the sender, so none was sent.
     for step in (1, 2, 3):
-        first.log_metrics({"train/loss": 1.0 / step}, step=step)
-    first._wake.set()
-    # The job is killed while writing step 4's record: half a line, no newline, no finish().
+        first._journal.append("metrics", step=step, time=now_ms(), values={"train/loss": 1.0 / step})
+    assert first._thread.is_alive() and not first._wake.is_set()  # asleep: it sends nothing more
+    _, sent_by_the_killed_job = run_of(tmp_path, first.run_id)
+    assert sent_by_the_killed_job == []
+    # ... and killed while writing step 4's record: half a line, no newline, no finish().
     journal = tmp_path / "run" / "tracking" / "journal.jsonl"
     with journal.open("ab") as f:
         f.write(b'{"kind": "metrics", "session": "' + first._journal.session.encode() + b'", "step": 4, "val')

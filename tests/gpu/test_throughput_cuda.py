@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 
 import pytest
 import torch
@@ -16,9 +17,9 @@ import torch
 from ntil_ds.data import Collator, ConversationDataset, load_processor, tokenizer_of
 from ntil_ds.data.packing import PACKING_KEYS, PackedCollator
 from ntil_ds.loss import NTILLoss, digit_token_ids_from_tokenizer
-from ntil_ds.model.kernels import ROTARY_MODULES, apply_kernels
+from ntil_ds.model.kernels import ROTARY_MODULES, apply_kernels, language_model
 from ntil_ds.model.packing import rope_fn_for
-from ntil_ds.model.tiny import build_tiny_model_folder
+from ntil_ds.tiny import build_tiny_model_folder
 from tests.distributed.training_runs import write_mixed_arithmetic_data
 
 pytestmark = pytest.mark.gpu
@@ -35,9 +36,14 @@ def _model(kind, folder, attn="sdpa", dtype=torch.float32):
 @pytest.mark.skipif(importlib.util.find_spec("liger_kernel") is None, reason="liger-kernel is not installed")
 @pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2_5_vl", "llava", "qwen2"])
 def test_liger_patched_model_equals_unpatched(kind, tmp_path, monkeypatch):
+    from liger_kernel.transformers.rope import liger_rotary_pos_emb
+
     model = _model(kind, build_tiny_model_folder(kind, tmp_path / kind))
-    rotary = importlib.import_module(ROTARY_MODULES[model.config.model_type])
-    monkeypatch.setattr(rotary, "apply_rotary_pos_emb", rotary.apply_rotary_pos_emb)  # restored after
+    # what the model's attention calls (not the code's own map): restored after, and checked patched below
+    attention = inspect.unwrap(type(language_model(model).layers[0].self_attn).forward).__globals__
+    mapped = ROTARY_MODULES[model.config.model_type]
+    for rotary in {importlib.import_module(name) for name in (attention["__name__"], mapped)}:
+        monkeypatch.setattr(rotary, "apply_rotary_pos_emb", rotary.apply_rotary_pos_emb)
     ids = torch.randint(0, 400, (2, 33), device="cuda")
 
     def run():
@@ -48,6 +54,7 @@ def test_liger_patched_model_equals_unpatched(kind, tmp_path, monkeypatch):
 
     ref_logits, ref_grads = run()
     apply_kernels(model, "liger")
+    assert attention["apply_rotary_pos_emb"] is liger_rotary_pos_emb  # the patch reaches the forward
     logits, grads = run()
     torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
     for name, grad in ref_grads.items():

@@ -70,7 +70,7 @@ def steps_logged(output_dir: Path) -> int:
 def demo_inputs(tmp_path_factory) -> tuple[Path, Path]:
     """The tiny demo's model folder and clock data, generated offline."""
     from ntil_ds.data.synthetic import write_dataset
-    from ntil_ds.model.tiny import build_tiny_model_folder
+    from ntil_ds.tiny import build_tiny_model_folder
 
     root = tmp_path_factory.mktemp("demo-inputs")
     model_dir = build_tiny_model_folder("qwen2_vl", root / "model")

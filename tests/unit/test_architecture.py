@@ -6,8 +6,8 @@
   the entry points in launch/ are thin (at most 200 lines each).
 - Boundaries: only engine.py imports deepspeed; only tracking/mlflow_*.py import mlflow; ds_config.py
   reads DeepSpeed JSON without deepspeed; tracking/base.py imports nothing else of tracking/; loss/,
-  data/ and model/ never import each other (they meet as arguments in the trainer); config, dist and
-  constants import nothing of the project; no grab-bag modules.
+  data/, model/ and tiny/ never import each other (they meet as arguments in the trainer); the
+  foundation (typed_config, config, dist, constants) builds on nothing else; no grab-bag modules.
 - Nothing is loaded by file path: launch/ holds command-line entry points only, never imported by the
   library, and no file anywhere loads a module from a path (importlib's spec_from_file_location).
 """
@@ -22,8 +22,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "ntil_ds"
 CODE_FOLDERS = ("ntil_ds", "launch", "benchmarks")
-LEAF_PACKAGES = ("loss", "data", "model")
-FOUNDATION = ("config", "dist", "constants")
+LEAF_PACKAGES = ("loss", "data", "model", "tiny")
+FOUNDATION = ("typed_config", "config", "dist", "constants")  # each on those before it only
 LIBRARY_FILE_LINES = 450
 TRAINER_LINES = 400
 TRAIN_STEP_LINES = 60
@@ -176,15 +176,31 @@ def test_only_engine_imports_deepspeed():
 
 
 def test_only_mlflow_tracking_modules_import_mlflow():
-    for name in users_of("mlflow"):
+    users = users_of("mlflow")
+    assert users, "no module imports mlflow: the rule below checks nothing"
+    for name in users:
         parts = Path(name).parts
         assert parts[0] == "tracking" and parts[-1].startswith("mlflow_"), f"{name} imports mlflow"
 
 
 def test_tracking_base_stands_alone():
-    base = PACKAGE / "tracking" / "base.py"
-    assert base.is_file()
-    assert not [n for n in imported_modules(base) if n.startswith("ntil_ds.tracking")]
+    """The protocol every tracker builds on: below all of tracking/, so no cycle can run through it."""
+    for name in imported_modules(PACKAGE / "tracking" / "base.py"):
+        assert not name.startswith("ntil_ds."), f"tracking/base.py imports {name}"
+
+
+# Importers of tracking/mlflow_*.py: any other would put mlflow's 1.6 s import on every rank. build.py
+# imports the tracker lazily on the main rank; the CLI and the comparison grid run as one process.
+MLFLOW_MODULE_IMPORTERS = {("tracking", "build.py"), ("tracking", "__main__.py"), ("comparison", "grid.py")}
+
+
+def test_only_build_and_single_process_tools_import_the_mlflow_tracking_modules():
+    for path in library_files():
+        parts = path.relative_to(PACKAGE).parts
+        if parts in MLFLOW_MODULE_IMPORTERS or (parts[0] == "tracking" and parts[-1].startswith("mlflow_")):
+            continue
+        users = [n for n in imported_modules(path) if n.startswith("ntil_ds.tracking.mlflow_")]
+        assert not users, f"{path} imports {users}: call ntil_ds.tracking.build_tracker instead"
 
 
 def test_leaf_packages_are_independent():
@@ -202,10 +218,16 @@ def test_leaf_packages_are_independent():
                 )
 
 
-@pytest.mark.parametrize("lower", [f"{name}.py" for name in FOUNDATION])
-def test_foundation_modules_import_nothing_above_them(lower):
-    for name in imported_modules(PACKAGE / lower):
-        assert not name.startswith("ntil_ds."), f"{lower} imports {name}"
+@pytest.mark.parametrize("position", range(len(FOUNDATION)))
+def test_foundation_modules_import_nothing_above_them(position):
+    """The foundation, in order: each module may use only those before it (config builds on typed_config)."""
+    name = FOUNDATION[position]
+    below = {f"ntil_ds.{lower}" for lower in FOUNDATION[:position]}
+    for imported in imported_modules(PACKAGE / f"{name}.py"):
+        allowed = not imported.startswith("ntil_ds.") or any(
+            imported == lower or imported.startswith(f"{lower}.") for lower in below
+        )
+        assert allowed, f"{name}.py imports {imported}"
 
 
 def test_no_grab_bag_modules():

@@ -12,7 +12,7 @@ import pytest
 def compare():
     """The comparison's pure parts, under one name as the tests below use them."""
     from ntil_ds.comparison import results
-    from ntil_ds.tracking.mlflow_comparison import metric_key
+    from ntil_ds.tracking.step_log import metric_key
 
     return SimpleNamespace(
         **{n: getattr(results, n) for n in dir(results) if not n.startswith("_")}, metric_key=metric_key
@@ -71,3 +71,41 @@ def test_metric_keys_are_valid_for_mlflow(compare):
         compare.metric_key("ntil_loss.ntil_lambda=0.6/abs_error_mean")
         == "ntil_loss.ntil_lambda_0.6/abs_error_mean"
     )
+
+
+def test_score_curves_take_every_seed_of_a_loss_at_the_steps_all_reached(compare, tmp_path):
+    """The curves come from each run's own metrics.jsonl ("generate" records, the last of a step wins);
+    a failed run adds nothing; a step only some seeds reached is left out (no mean of one seed there)."""
+    import json
+
+    from ntil_ds.tracking.plots import plot_comparison_curves
+
+    def run(label, seed, records, status="ok"):
+        folder = tmp_path / f"{label}-{seed}"
+        folder.mkdir()
+        lines = [{"split": "train", "step": 1, "loss": 1.0}, *({"split": "generate", **r} for r in records)]
+        (folder / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+        result = _run(compare, label, seed, status=status)
+        result.output_dir = str(folder)
+        return result
+
+    runs = [
+        run("ce", 0, [{"step": 2, "abs_error": 9.0}, {"step": 4, "abs_error": 7.0}]),
+        run(
+            "ce",
+            1,
+            [{"step": 2, "abs_error": 5.0}, {"step": 2, "abs_error": 6.0}, {"step": 4, "abs_error": 3.0}],
+        ),
+        run("ntil", 0, [{"step": 2, "abs_error": 4.0}, {"step": 4, "abs_error": 2.0}]),
+        run("ntil", 1, [{"step": 2, "abs_error": 8.0}]),  # stopped before step 4
+        run("ntil", 2, [{"step": 2, "abs_error": 99.0}], status="failed"),
+    ]
+    curves = compare.score_curves(runs, ("abs_error", "iou"))
+    assert curves == {
+        "ce": {"abs_error": {2: [9.0, 6.0], 4: [7.0, 3.0]}},
+        "ntil": {"abs_error": {2: [4.0, 8.0]}},
+    }
+    assert (
+        plot_comparison_curves(curves, ("abs_error",), tmp_path / "c.png", "t").read_bytes()[:4] == b"\x89PNG"
+    )
+    assert plot_comparison_curves({"ce": {}}, ("abs_error",), tmp_path / "none.png", "t") is None

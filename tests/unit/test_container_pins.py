@@ -5,6 +5,7 @@ after each layer) against this CPU venv, for its passing and its failing paths.
 """
 
 import importlib.util
+import os
 import re
 import shlex
 import subprocess
@@ -122,13 +123,47 @@ def test_project_dependencies_installed_in_the_image_are_pinned():
 
 
 def test_cuda_base_matches_the_cuda_that_torch_pulls():
-    args = dict(a.split("=", 1) for k, a in dockerfile_instructions() if k == "ARG" and "=" in a)
+    args = dockerfile_arg_defaults()
     base_cuda = ".".join(args["CUDA_VERSION"].split(".")[:2])
     toolkit = verify_stack.read_pins([CUDA_PINS])["cuda-toolkit"]
     assert base_cuda == f"{toolkit.major}.{toolkit.minor}", (
         f"Dockerfile CUDA_VERSION {args['CUDA_VERSION']} but torch's CUDA wheels are {toolkit}: "
         "DeepSpeed's op build refuses a different major.minor"
     )
+
+
+def dockerfile_arg_defaults() -> dict[str, str]:
+    return dict(a.split("=", 1) for k, a in dockerfile_instructions() if k == "ARG" and "=" in a)
+
+
+def test_the_defaults_build_the_cuda_image_and_the_cpu_variant_sets_only_declared_args():
+    """Without build args the Dockerfile is the CUDA image; the CPU variant is build args only.
+
+    A build arg the Dockerfile does not declare is ignored with a warning (docker and buildah alike),
+    so a misspelt one in docker/container_test.sh would quietly build the CUDA default instead.
+    """
+    defaults = dockerfile_arg_defaults()
+    assert defaults["BUILD_BASE"].startswith("nvidia/cuda:") and "-devel-" in defaults["BUILD_BASE"]
+    assert defaults["RUNTIME_BASE"].startswith("nvidia/cuda:") and "-base-" in defaults["RUNTIME_BASE"]
+    cuda_image = {
+        "PYTHON": "python3.12",
+        "DS_ACCELERATOR": "cuda",
+        "CUDA_KERNELS": "1",
+        "DS_BUILD_FUSED_ADAM": "1",
+        "DS_BUILD_SHM_COMM": "0",
+    }
+    assert {name: defaults[name] for name in cuda_image} == cuda_image
+
+    script = (REPO_ROOT / "docker" / "container_test.sh").read_text()
+    cpu_args = dict(re.findall(r'--build-arg "?([A-Z_]+)=([^"\s]*)', script))
+    declared = {
+        arguments.split("=", 1)[0] for keyword, arguments in dockerfile_instructions() if keyword == "ARG"
+    }
+    undeclared = sorted(cpu_args.keys() - declared)
+    assert not undeclared, f"docker/container_test.sh sets build args the Dockerfile lacks: {undeclared}"
+    cpu_image = {"PYTHON": "python3.11", "CUDA_VERSION": "none", "DS_ACCELERATOR": "cpu", "CUDA_KERNELS": "0"}
+    assert {name: cpu_args.get(name) for name in cpu_image} == cpu_image
+    assert {"BUILD_BASE", "RUNTIME_BASE", "DS_BUILD_FUSED_ADAM"} <= cpu_args.keys()
 
 
 def test_hadolint_is_clean():
@@ -142,18 +177,33 @@ def test_hadolint_is_clean():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def run_verify_stack(*args: str) -> subprocess.CompletedProcess:
+def run_verify_stack(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, str(VERIFY_STACK), *args], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT
-    )
+        [sys.executable, str(VERIFY_STACK), *args], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT,
+        env=env,
+    )  # fmt: skip
 
 
 def test_verify_stack_accepts_this_venv_at_its_pins():
     result = run_verify_stack(
-        "--pins", str(CPU_PINS), str(CUDA_PINS), "--require", *SHARED_WITH_CI, "--all-pinned-except", "pip", "ntil-ds"
+        "--pins", str(CPU_PINS), str(CUDA_PINS), "--require", *SHARED_WITH_CI, "--all-pinned-except", "pip", "ntil-ds",
+        "--cuda", "none",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "verify_stack: ok" in result.stdout
+
+
+def test_verify_stack_cuda_none_refuses_a_cuda_torch(tmp_path):
+    """The CPU image (CUDA_VERSION=none) must hold torch's CPU build: a CUDA one is reported, not installed."""
+    fake_torch = tmp_path / "torch"
+    fake_torch.mkdir()
+    (fake_torch / "__init__.py").write_text("")
+    (fake_torch / "version.py").write_text("__version__ = '2.13.0+cu130'\ncuda: str | None = '13.0'\n")
+    result = run_verify_stack(
+        "--pins", str(CPU_PINS), "--cuda", "none", env={**os.environ, "PYTHONPATH": str(tmp_path)}
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert "torch 2.13.0+cu130 is built for CUDA 13.0, but this image has no CUDA" in result.stderr
 
 
 def test_verify_stack_reports_every_mismatch(tmp_path):

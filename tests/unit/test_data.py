@@ -20,7 +20,7 @@ from ntil_ds.data import (
     tokenizer_of,
 )
 from ntil_ds.data.encoding import encode, expands_to_image_tokens_only
-from ntil_ds.model.tiny import TINY_KINDS, build_tiny_model_folder
+from ntil_ds.tiny import TINY_KINDS, build_tiny_model_folder
 
 MLLM_KINDS = ("qwen2_vl", "qwen2_5_vl", "llava", "qwen3_vl", "gemma3", "internvl", "smolvlm")
 END_OF_TURN = {

@@ -12,8 +12,8 @@ from PIL import Image
 
 from ntil_ds.data import IGNORE_INDEX, Collator, ConversationDataset, load_processor, tokenizer_of
 from ntil_ds.data.synthetic import TASKS, generate, make_boxes, split_sizes, write_dataset
-from ntil_ds.model.tiny import build_tiny_model_folder
 from ntil_ds.scoring import parse_box, parse_clock
+from ntil_ds.tiny import build_tiny_model_folder
 
 REPO = Path(__file__).resolve().parents[2]
 

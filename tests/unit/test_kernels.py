@@ -11,6 +11,7 @@ cuda runs the patched model).
 from __future__ import annotations
 
 import importlib
+import inspect
 import subprocess
 import sys
 import textwrap
@@ -20,7 +21,7 @@ import torch
 
 from ntil_ds.config import ConfigError
 from ntil_ds.model.kernels import ROTARY_MODULES, apply_kernels, language_model, require_kernels
-from ntil_ds.model.tiny import build_tiny_model_folder
+from ntil_ds.tiny import build_tiny_model_folder
 from tests.conftest import REPO_ROOT
 
 pytest.importorskip("liger_kernel")
@@ -42,9 +43,16 @@ def test_liger_patches_norms_mlps_and_rotary(kind, tmp_path, monkeypatch):
     from liger_kernel.transformers.swiglu import LigerSwiGLUMLP
 
     model = _tiny_model(kind, tmp_path)
-    rotary_module = importlib.import_module(ROTARY_MODULES[model.config.model_type])
-    # the rotary patch is process-wide: put the original back after the test
-    monkeypatch.setattr(rotary_module, "apply_rotary_pos_emb", rotary_module.apply_rotary_pos_emb)
+    # The function the model's own attention calls: a global name looked up when its forward runs, in the
+    # module that defines the forward (found from the model, not from the code's ROTARY_MODULES map).
+    attention_forward = inspect.unwrap(type(language_model(model).layers[0].self_attn).forward)
+    assert "apply_rotary_pos_emb" in attention_forward.__code__.co_names
+    attention_globals = attention_forward.__globals__
+    # the rotary patch is process-wide: put the originals back after the test (also in the module the
+    # map names, should that be another one)
+    mapped = ROTARY_MODULES[model.config.model_type]
+    for module in {importlib.import_module(name) for name in (attention_globals["__name__"], mapped)}:
+        monkeypatch.setattr(module, "apply_rotary_pos_emb", module.apply_rotary_pos_emb)
     lm = language_model(model)
     norms = [m for m in lm.modules() if type(m).__name__.endswith("RMSNorm")]
     mlps = [m for m in lm.modules() if type(m).__name__.endswith("MLP")]
@@ -59,7 +67,7 @@ def test_liger_patches_norms_mlps_and_rotary(kind, tmp_path, monkeypatch):
         assert norm.forward.__func__ is LigerRMSNorm.forward and norm._get_name() == "LigerRMSNorm"
     for mlp in mlps:
         assert mlp.forward.__func__ is LigerSwiGLUMLP.forward
-    assert rotary_module.apply_rotary_pos_emb is liger_rotary_pos_emb
+    assert attention_globals["apply_rotary_pos_emb"] is liger_rotary_pos_emb
     # nothing outside the language model, and no parameter, is touched
     outside = [
         m for n, m in model.named_modules() if m._get_name().startswith("Liger") and "language_model" not in n
@@ -101,7 +109,7 @@ def test_liger_rotary_equals_transformers_on_qwen2_vl_mrope_in_triton_interprete
         from transformers import AutoConfig, AutoModelForImageTextToText
         from transformers.models.qwen2_vl import modeling_qwen2_vl as m
         from liger_kernel.transformers.rope import liger_rotary_pos_emb
-        from ntil_ds.model.tiny import build_tiny_model_folder
+        from ntil_ds.tiny import build_tiny_model_folder
 
         folder = build_tiny_model_folder("qwen2_vl", {str(tmp_path / "q")!r})
         torch.manual_seed(0)

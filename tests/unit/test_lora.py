@@ -6,9 +6,9 @@ import torch
 from torch import nn
 
 from ntil_ds.config import ConfigError, load_config
+from ntil_ds.export import merged_state_dict, save_lora_export
 from ntil_ds.model import load_model, model_part
-from ntil_ds.model.lora import merged_state_dict, save_lora_export
-from ntil_ds.model.tiny import build_tiny_model_folder
+from ntil_ds.tiny import build_tiny_model_folder
 
 KINDS = ("qwen2_vl", "llava", "qwen3_vl", "gemma3", "internvl", "smolvlm", "qwen2")
 
@@ -207,7 +207,7 @@ def test_qlora_quantizes_exactly_the_language_models_linear_layers(folders, kind
     names, against where each layer sits."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
-    from ntil_ds.model.lora import is_quantized_linear, quantization_kwargs
+    from ntil_ds.model.quantize import is_quantized_linear, quantization_kwargs
 
     cfg = _cfg(folders[kind], "model.init=pretrained", "lora.quantize=nf4")
     config = AutoConfig.from_pretrained(folders[kind])

@@ -90,7 +90,7 @@ def test_recipe_keys_reach_the_loss(tmp_path):
 
     from ntil_ds.config import ConfigError, load_config
     from ntil_ds.loss.build import build_loss
-    from ntil_ds.model.tiny import build_tiny_model_folder
+    from ntil_ds.tiny import build_tiny_model_folder
 
     tokenizer = AutoTokenizer.from_pretrained(build_tiny_model_folder("qwen2", tmp_path / "tiny"))
     base = [f"model.name_or_path={tmp_path}", "data.train_file=x"]

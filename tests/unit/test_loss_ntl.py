@@ -12,7 +12,7 @@ from ntil_ds.config import load_config
 from ntil_ds.loss import digit_token_ids_from_tokenizer
 from ntil_ds.loss.build import build_loss
 from ntil_ds.loss.ntl import NTLLoss, NTLUnavailableError
-from ntil_ds.model.tiny import build_tiny_model_folder
+from ntil_ds.tiny import build_tiny_model_folder
 
 
 @pytest.fixture(scope="module")

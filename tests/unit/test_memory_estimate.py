@@ -1,6 +1,7 @@
-"""The memory estimator against independent references: DeepSpeed's own ZeRO estimators and parameter
-counting, tensors a real tiny model saves for backward, the published sizes of the flagship models, and
-the numbers written in the recipes' headers."""
+"""The memory estimator against independent references: DeepSpeed's own ZeRO estimators, defaults and
+parameter counting, tensors a real tiny model saves for backward, the published sizes of the flagship
+models. (The numbers written in the recipes' headers are checked too, as a snapshot of the estimator's
+own earlier output: they keep the recipes honest, they are no reference for the formulas.)"""
 
 import re
 
@@ -8,15 +9,15 @@ import pytest
 import torch
 
 from ntil_ds.config import load_config
-from ntil_ds.model.memory import (
+from ntil_ds.memory_estimate import (
     GIB,
-    KNOWN_CONFIGS,
     activation_bytes_per_token,
     count_parameters,
     estimate,
     hf_config_for,
 )
-from ntil_ds.model.tiny import build_tiny_model_folder
+from ntil_ds.model.known_configs import KNOWN_CONFIGS
+from ntil_ds.tiny import build_tiny_model_folder
 from tests.conftest import REPO_ROOT
 
 RECIPES = sorted((REPO_ROOT / "configs" / "train").glob("*.yaml"))
@@ -141,6 +142,40 @@ def test_full_fine_tuning_model_states_equal_deepspeeds_estimators(ds_json, gpus
     assert result.model_states() == pytest.approx(gpu, rel=1e-9, abs=2)
 
 
+@pytest.mark.parametrize(
+    ("zero", "gpus"),
+    [
+        ({"stage": 3}, 4),  # DeepSpeed's defaults: 1e9 live parameters, a 5e7 prefetch bucket
+        ({"stage": 3}, 16),
+        ({"stage": 3, "stage3_max_live_parameters": 3e8, "stage3_prefetch_bucket_size": 2e7}, 8),
+    ],
+)
+def test_zero3_live_parameters_by_hand(zero, gpus):
+    """ZeRO-3 keeps gathered, besides each rank's partitions: up to stage3_max_live_parameters in bf16
+    (but at least the largest module with its gradient, DeepSpeed's estimators' 4 L) plus the prefetch
+    bucket in bf16. Computed here by hand from DeepSpeed's config defaults; the partitions (18 P / N) are
+    DeepSpeed's own estimator with no largest-layer term."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+
+    defaults = DeepSpeedZeroConfig()
+    assert (defaults.max_live_parameters, defaults.prefetch_bucket_size) == (1_000_000_000, 50_000_000)
+    cfg = _cfg("Qwen/Qwen2-VL-2B-Instruct")  # 2.2 B parameters, every one trains
+    result = estimate(cfg, {"zero_optimization": zero}, gpus=gpus, gpu_memory_gb=80)
+    total, largest = result.counts.total, result.counts.largest_module
+    _, partitions, _ = estimate_zero3_model_states_mem_needs(
+        total, 0, num_gpus_per_node=gpus, cpu_offload=False, cpu_offload_params=False
+    )
+    if "stage3_max_live_parameters" in zero:  # 2 B x 3e8 = 0.6 GB is below 4 L = 0.93 GB: the floor holds
+        assert 4 * largest > 2 * 3e8
+        live = 4 * largest + 2 * 2e7
+    else:  # 2 B x 1e9 = 2 GB (the model has more than 1e9 parameters) is above 4 L = 0.93 GB
+        assert total > 1e9 and 4 * largest < 2e9
+        live = 2 * 1e9 + 2 * 5e7
+    assert result.zero3_live_parameters == pytest.approx(live, rel=1e-12)
+    assert result.model_states() == pytest.approx(partitions + live, rel=1e-9, abs=2)
+
+
 def test_lora_and_qlora_shrink_what_they_should():
     name = "Qwen/Qwen3-VL-8B-Instruct"
     ds = {"zero_optimization": {"stage": 3}}
@@ -170,6 +205,31 @@ def test_lora_and_qlora_shrink_what_they_should():
     )
     assert qlora.weights < 0.5 * lora.weights
     assert qlora.total < lora.total < full.total
+
+
+def test_lora_head_choices_count_what_they_train():
+    """lora.head on Qwen3-VL-8B (V = 151936, H = 4096): full trains the V x H head and keeps peft's frozen
+    copy of it; number_rows trains k x H (the ten digits, + '-' and '.' when NTIL reads them); frozen
+    trains none of it."""
+    name = "Qwen/Qwen3-VL-8B-Instruct"
+    ds = {"zero_optimization": {"stage": 2}}
+
+    def counts(*overrides):
+        cfg = _cfg(name, "model.freeze_vision_tower=true", "lora.enabled=true", *overrides)
+        return estimate(cfg, ds, gpus=1, gpu_memory_gb=24)
+
+    full, frozen = counts("lora.head=full"), counts("lora.head=frozen")
+    rows = counts("lora.head=number_rows")
+    signed = counts("lora.head=number_rows", "loss.signed_numbers=true", "loss.decimal_numbers=true")
+    vocab, hidden = 151936, 4096
+    assert full.counts.trainable - frozen.counts.trainable == vocab * hidden == 622_329_856
+    assert full.counts.total - frozen.counts.total == vocab * hidden  # the trained copy beside the original
+    assert rows.counts.trainable - frozen.counts.trainable == 10 * hidden
+    assert signed.counts.trainable - frozen.counts.trainable == 12 * hidden
+    assert rows.counts.total - frozen.counts.total == 10 * hidden
+    # ZeRO-2 on one GPU: 6 B of gradients and 12 B of optimizer states per trained parameter
+    assert rows.gradients - frozen.gradients == pytest.approx(6 * 10 * hidden)
+    assert rows.optimizer_states - frozen.optimizer_states == pytest.approx(12 * 10 * hidden)
 
 
 def _saved_bytes_per_token(model, tokens, vocab):
@@ -236,17 +296,9 @@ def test_recipe_headers_state_the_estimators_numbers():
     assert checked >= 6
 
 
-def _cli():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("estimate_cli", REPO_ROOT / "launch" / "estimate.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main
-
-
 def test_cli_prints_the_breakdown_and_exits_by_fit(capsys):
-    main = _cli()
+    from launch.estimate import main
+
     recipe = str(REPO_ROOT / "configs" / "train" / "qwen2vl_2b_clock.yaml")
     assert main([recipe, "--gpus", "4", "--gpu-memory-gb", "24"]) == 0
     out = capsys.readouterr().out
@@ -257,6 +309,8 @@ def test_cli_prints_the_breakdown_and_exits_by_fit(capsys):
     assert "does NOT fit" in capsys.readouterr().out
     assert main([recipe, "--gpus", "1", "--gpu-memory-gb", "8", "model.name_or_path=org/unknown"]) == 2
     assert "config.json" in capsys.readouterr().err
+    assert main([recipe, "--gpus", "1", "--gpu-memory-gb", "8", "model.kind=llm"]) == 2  # a Qwen2-VL
+    assert "model.kind=llm contradicts the checkpoint" in capsys.readouterr().err
 
 
 def test_local_folder_config_is_read(tiny):

@@ -12,8 +12,8 @@ from launch import evaluate
 from ntil_ds.data import ConversationDataset, DataError, load_processor
 from ntil_ds.data.synthetic import write_dataset
 from ntil_ds.evaluation.generate import generate_and_score, load_exported_model, task_of
-from ntil_ds.model.tiny import build_tiny_model_folder
 from ntil_ds.scoring import score
+from ntil_ds.tiny import build_tiny_model_folder
 
 
 def _exported_model(kind, folder):

@@ -5,7 +5,7 @@ import torch
 
 from ntil_ds.config import ConfigError, load_config
 from ntil_ds.model import load_model, model_part, resolve_attn_implementation
-from ntil_ds.model.tiny import build_tiny_model_folder
+from ntil_ds.tiny import build_tiny_model_folder
 
 
 @pytest.fixture(scope="module")
@@ -74,3 +74,32 @@ def test_a_freeze_flag_that_matches_nothing_is_an_error(tiny_folders):
         ConfigError, match="freeze_vision_tower=true but Qwen2ForCausalLM has no vision tower"
     ):
         load_model(model_cfg(tiny_folders["qwen2"], "model.freeze_vision_tower=true"))
+
+
+@pytest.mark.parametrize(
+    ("kind", "recipe_kind", "checkpoint_type", "fix"),
+    [
+        ("qwen2_vl", "llm", "qwen2_vl", "set model.kind=mllm or model.kind=auto"),
+        ("qwen2", "mllm", "qwen2", "set model.kind=llm or model.kind=auto"),
+    ],
+)
+def test_a_kind_the_checkpoint_contradicts_is_a_config_error_before_any_weight_is_read(
+    tiny_folders, kind, recipe_kind, checkpoint_type, fix
+):
+    """An `llm` recipe on a Qwen2-VL folder used to fail on every rank inside transformers
+    ("Unrecognized configuration class ... AutoModelForCausalLM"). model.init=pretrained on a folder
+    without weights: had loading gone as far as from_pretrained, that would be an OSError instead."""
+    assert not list(tiny_folders[kind].glob("*.safetensors"))
+    cfg = model_cfg(tiny_folders[kind], f"model.kind={recipe_kind}", "model.init=pretrained")
+    with pytest.raises(ConfigError) as error:
+        load_model(cfg)
+    message = str(error.value)
+    assert f"model.kind={recipe_kind} contradicts the checkpoint" in message
+    assert f"model_type '{checkpoint_type}'" in message and fix in message
+
+
+def test_a_kind_the_checkpoint_allows_either_way_is_kept(tiny_folders):
+    """Gemma 3's config builds as a causal LM too (transformers maps it to the same class): model.kind=llm
+    stays allowed there, as before."""
+    llm = load_model(model_cfg(tiny_folders["gemma3"], "model.kind=llm"))
+    assert llm.kind == "llm" and type(llm.model).__name__ == "Gemma3ForConditionalGeneration"

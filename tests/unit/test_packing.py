@@ -20,7 +20,7 @@ from ntil_ds.data import Collator, ConversationDataset, load_processor, tokenize
 from ntil_ds.data.packing import PACKING_KEYS, PackedCollator, plan_micro_batches
 from ntil_ds.loss import NTILLoss, digit_token_ids_from_tokenizer
 from ntil_ds.model.packing import check_packing_supported, rope_fn_for
-from ntil_ds.model.tiny import build_tiny_model_folder
+from ntil_ds.tiny import build_tiny_model_folder
 from tests.distributed.training_runs import write_mixed_arithmetic_data
 
 KINDS = ("qwen2_vl", "qwen2_5_vl", "llava", "qwen2")

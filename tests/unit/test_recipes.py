@@ -113,7 +113,7 @@ def test_recipe_loads_and_merges_with_its_deepspeed_json(recipe: Path, monkeypat
 
 @pytest.fixture(scope="module")
 def tiny_folders(tmp_path_factory) -> dict[str, Path]:
-    from ntil_ds.model.tiny import build_tiny_model_folder
+    from ntil_ds.tiny import build_tiny_model_folder
 
     root = tmp_path_factory.mktemp("tiny_models")
     kinds = sorted(set(TINY_STAND_IN.values()))

@@ -19,9 +19,21 @@ from transformers import (
 
 from ntil_ds.data.processor import load_processor, tokenizer_of
 from ntil_ds.model import model_part
-from ntil_ds.model.tiny import TINY_KINDS, build_tiny_model_folder
+from ntil_ds.tiny import TINY_KINDS, build_tiny_model_folder
 
 MLLM_KINDS = ("qwen2_vl", "qwen2_5_vl", "llava", "qwen3_vl", "gemma3", "internvl", "smolvlm")
+
+# Each family's vision tower and projector by parameter-name prefix (transformers 5.24's module names),
+# written out here independently of ntil_ds.model.parts, which they check: (tower, projector prefixes).
+VISION_PARTS = {
+    "qwen2_vl": ("model.visual.", ("model.visual.merger.",)),
+    "qwen2_5_vl": ("model.visual.", ("model.visual.merger.",)),
+    "qwen3_vl": ("model.visual.", ("model.visual.merger.", "model.visual.deepstack_merger_list.")),
+    "llava": ("model.vision_tower.", ("model.multi_modal_projector.",)),
+    "gemma3": ("model.vision_tower.", ("model.multi_modal_projector.",)),
+    "internvl": ("model.vision_tower.", ("model.multi_modal_projector.",)),
+    "smolvlm": ("model.vision_model.", ("model.connector.",)),
+}
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +76,15 @@ def test_mllm_folder_loads_and_trains(folders, kind):
     n_image_tokens = int((batch["input_ids"] == image_id).sum())
     assert n_image_tokens > 0
 
+    tower, projector = VISION_PARTS[kind]
+    names = [n for n, _ in model.named_parameters()]
+    projector_names = {n for n in names if n.startswith(projector)}
+    tower_names = {n for n in names if n.startswith(tower)} - projector_names
+    assert tower_names and projector_names
+    # the project's classifier (freezing, LoRA placement, QLoRA's 4-bit rule) agrees with the list
+    assert {n for n in names if model_part(n) == "projector"} == projector_names
+    assert {n for n in names if model_part(n) == "vision_tower"} == tower_names
+
     out = model(**batch)
     assert out.logits.shape == (*batch["input_ids"].shape, len(tokenizer))
     out.logits.float().logsumexp(-1).mean().backward()
@@ -73,7 +94,7 @@ def test_mllm_folder_loads_and_trains(folders, kind):
     vision_grads = [
         p.grad
         for n, p in model.named_parameters()
-        if model_part(n) in ("vision_tower", "projector") and p.grad is not None
+        if n in tower_names | projector_names and p.grad is not None
     ]
     assert vision_grads and all(torch.isfinite(g).all() for g in vision_grads)
     assert any(g.abs().sum() > 0 for g in vision_grads)  # the image reached the loss
@@ -209,3 +230,24 @@ def test_qwen_mm_token_type_ids_give_mrope_positions(folders, kind):
         torch.testing.assert_close(logits, reference, rtol=0, atol=1e-6)
         if kind == "qwen2_5_vl":  # silently falls back to 1D positions: the logits move
             assert (model(**without_types).logits - reference).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2"])
+def test_small_size_widens_the_text_model(tmp_path, kind):
+    """size="small" (launch/make_tiny_model.py --size small, compare.py --tiny-model qwen2:small)."""
+    folder = build_tiny_model_folder(kind, tmp_path / kind, size="small")
+    config = AutoConfig.from_pretrained(folder)
+    text = config.get_text_config()
+    assert (text.hidden_size, text.intermediate_size, text.num_attention_heads) == (128, 256, 8)
+    if kind == "qwen2_vl":
+        assert (config.vision_config.depth, config.vision_config.embed_dim) == (2, 64)
+        assert config.vision_config.hidden_size == 128  # the merger feeds the wider text model
+    assert json.loads((folder / "tiny_model.json").read_text()) == {"kind": kind, "size": "small"}
+    model = _build_model(folder, kind)
+    ids = torch.randint(0, text.vocab_size, (1, 8))
+    assert model(input_ids=ids).logits.shape == (1, 8, text.vocab_size)
+
+
+def test_small_size_is_refused_for_other_kinds(tmp_path):
+    with pytest.raises(ValueError, match="defined for qwen2_vl and qwen2 only, not 'llava'"):
+        build_tiny_model_folder("llava", tmp_path / "llava", size="small")

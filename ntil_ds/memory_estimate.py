@@ -3,8 +3,8 @@
 The model is built on PyTorch's ``meta`` device from its config (no weights, no memory), with the
 recipe's freeze flags or LoRA applied, so parameter counts are exact for any family transformers knows.
 The config comes from ``config.json`` when ``model.name_or_path`` is a local folder, else from
-:data:`KNOWN_CONFIGS` (the Hub ``config.json`` numbers of the models the recipes name: nothing is
-downloaded).
+:data:`ntil_ds.model.known_configs.KNOWN_CONFIGS` (the Hub ``config.json`` numbers of the models the
+recipes name: nothing is downloaded).
 
 Bytes per GPU, bf16 mixed precision with DeepSpeed (P = all parameters, T = trainable, N = data-parallel
 GPUs, L = the largest module's own parameters):
@@ -22,7 +22,9 @@ GPUs, L = the largest module's own parameters):
   (2 B x ``stage3_prefetch_bucket_size``).
 - logits and loss: micro_batch x max_seq_len x vocab x 2 B for the bf16 logits, and as much again for
   NTIL's forward + backward (measured on an H200 at [4, 2048, 151936] in bf16: NTILLoss's forward +
-  backward peaked 2386 MiB above the 2374 MiB of logits, i.e. 1.0x).
+  backward peaked 2386 MiB above the 2374 MiB of logits, i.e. 1.0x). ``lora.head=number_rows`` adds its
+  delta to the logits out of place: one more logits-sized tensor for a moment, inside that budget (the
+  one it replaces is freed at once); its k x H delta counts as trained, the head as frozen.
 - activations of the language model, per token and layer, measured with saved-tensor hooks on Qwen2
   layers in bf16 (tests/unit/test_memory_estimate.py): 20 h + 4 kv + 8 i bytes (h hidden, kv the key/value
   width, i the MLP width); with gradient checkpointing only each layer's input is kept (2 h bytes) plus
@@ -46,6 +48,13 @@ import torch
 from torch import nn
 
 from ntil_ds.config import Config, ConfigError
+from ntil_ds.ds_config import tensor_parallel_size
+from ntil_ds.loss.tokenizer import DIGITS
+from ntil_ds.model.known_configs import KNOWN_CONFIGS
+from ntil_ds.model.loading import freeze_parts
+from ntil_ds.model.lora import apply_lora
+from ntil_ds.model.parts import auto_model_class
+from ntil_ds.model.quantize import is_quantized_linear
 
 GIB = 2**30
 CUDA_CONTEXT_GIB = 1.5
@@ -55,105 +64,10 @@ NTIL_PEAK_OVER_LOGITS = 1.0  # measured (2386 / 2374 MiB), see the module docstr
 _ACT_PER_HIDDEN, _ACT_PER_KV, _ACT_PER_MLP = 20, 4, 8
 _NF4_BYTES = 0.5 + 1 / 64
 
-# The Hub config.json numbers of the models the recipes name (what AutoConfig would read; only the keys
-# that decide the architecture's size).
-KNOWN_CONFIGS: dict[str, dict[str, Any]] = {
-    "Qwen/Qwen2-VL-2B-Instruct": {
-        "model_type": "qwen2_vl",
-        "text_config": {"hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
-                        "num_attention_heads": 12, "num_key_value_heads": 2, "vocab_size": 151936,
-                        "tie_word_embeddings": True},
-        "vision_config": {"depth": 32, "embed_dim": 1280, "mlp_ratio": 4, "num_heads": 16,
-                          "hidden_size": 1536, "patch_size": 14, "spatial_merge_size": 2},
-        "tie_word_embeddings": True,
-    },
-    "Qwen/Qwen2-VL-7B-Instruct": {
-        "model_type": "qwen2_vl",
-        "text_config": {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
-                        "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064,
-                        "tie_word_embeddings": False},
-        "vision_config": {"depth": 32, "embed_dim": 1280, "mlp_ratio": 4, "num_heads": 16,
-                          "hidden_size": 3584, "patch_size": 14, "spatial_merge_size": 2},
-        "tie_word_embeddings": False,
-    },
-    "Qwen/Qwen2.5-VL-7B-Instruct": {
-        "model_type": "qwen2_5_vl",
-        "text_config": {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
-                        "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064,
-                        "tie_word_embeddings": False},
-        "vision_config": {"depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16,
-                          "out_hidden_size": 3584, "patch_size": 14, "spatial_merge_size": 2,
-                          "window_size": 112, "fullatt_block_indexes": [7, 15, 23, 31]},
-        "tie_word_embeddings": False,
-    },
-    "Qwen/Qwen3-VL-8B-Instruct": {
-        "model_type": "qwen3_vl",
-        "text_config": {"hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
-                        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
-                        "vocab_size": 151936, "tie_word_embeddings": False},
-        "vision_config": {"depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "num_heads": 16,
-                          "out_hidden_size": 4096, "patch_size": 16, "spatial_merge_size": 2,
-                          "num_position_embeddings": 2304, "deepstack_visual_indexes": [8, 16, 24]},
-        "tie_word_embeddings": False,
-    },
-    "google/gemma-3-4b-it": {
-        "model_type": "gemma3",
-        "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "num_hidden_layers": 34,
-                        "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
-                        "vocab_size": 262208, "sliding_window": 1024},
-        "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 1152, "intermediate_size": 4304,
-                          "num_hidden_layers": 27, "num_attention_heads": 16, "image_size": 896,
-                          "patch_size": 14, "vision_use_head": False},
-        "mm_tokens_per_image": 256,
-        "tie_word_embeddings": True,
-    },
-    # InternViT-300M + 2-layer MLP projector + Qwen2.5-7B (vocabulary: Qwen2.5's 151665 + 9 InternVL tokens)
-    "OpenGVLab/InternVL3-8B-hf": {
-        "model_type": "internvl",
-        "text_config": {"model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944,
-                        "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
-                        "vocab_size": 151674, "tie_word_embeddings": False},
-        "vision_config": {"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24,
-                          "num_attention_heads": 16, "image_size": 448, "patch_size": 14, "attention_bias": True,
-                          "use_qk_norm": False, "norm_type": "layer_norm"},
-        "downsample_ratio": 0.5,
-        "image_seq_length": 256,
-        "tie_word_embeddings": False,
-    },
-    # SigLIP-so400m (384 px tiles) + pixel shuffle by 3 + one linear projector + SmolLM2-1.7B (vocabulary:
-    # SmolLM2's 49152 + the image/row/column tokens; the head is not tied in this model)
-    "HuggingFaceTB/SmolVLM2-2.2B-Instruct": {
-        "model_type": "smolvlm",
-        "text_config": {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192,
-                        "num_hidden_layers": 24, "num_attention_heads": 32, "num_key_value_heads": 32,
-                        "head_dim": 64, "vocab_size": 49280, "tie_word_embeddings": False},
-        "vision_config": {"hidden_size": 1152, "intermediate_size": 4304, "num_hidden_layers": 27,
-                          "num_attention_heads": 16, "image_size": 384, "patch_size": 14},
-        "scale_factor": 3,
-        "image_token_id": 49190,
-        "tie_word_embeddings": False,
-    },
-    "llava-hf/llava-1.5-7b-hf": {
-        "model_type": "llava",
-        "text_config": {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008,
-                        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
-                        "vocab_size": 32064},
-        "vision_config": {"model_type": "clip_vision_model", "hidden_size": 1024, "intermediate_size": 4096,
-                          "num_hidden_layers": 24, "num_attention_heads": 16, "image_size": 336,
-                          "patch_size": 14, "projection_dim": 768},
-        "tie_word_embeddings": False,
-    },
-    "Qwen/Qwen2.5-7B-Instruct": {
-        "model_type": "qwen2",
-        "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
-        "num_key_value_heads": 4, "vocab_size": 152064, "tie_word_embeddings": False,
-    },
-}  # fmt: skip
-
 
 def hf_config_for(name_or_path: str):
     """The model's transformers config: its local config.json, or the :data:`KNOWN_CONFIGS` numbers."""
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # (lazy: the CLI's argument errors come before its import time)
 
     if (Path(name_or_path) / "config.json").is_file():
         return AutoConfig.from_pretrained(name_or_path)
@@ -177,27 +91,23 @@ class ParamCounts:
 
 def count_parameters(cfg: Config) -> tuple[ParamCounts, Any]:
     """Exact counts for the recipe's model, freeze flags and LoRA block, on the meta device."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-
-    from ntil_ds.model.loading import freeze_parts, model_kind
-
     hf_config = hf_config_for(cfg.model.name_or_path)
-    kind = model_kind(cfg.model, hf_config)
-    auto_class = AutoModelForImageTextToText if kind == "mllm" else AutoModelForCausalLM
+    auto_class = auto_model_class(cfg.model.kind, hf_config)
     with torch.device("meta"):
         model = auto_class.from_config(hf_config)
     quantized = 0
     if cfg.lora.enabled:
-        from ntil_ds.model.lora import apply_lora, is_quantized_linear
-
         if cfg.lora.quantize == "nf4":  # the language model's linear layers (the rule the 4-bit load follows)
             quantized = sum(
                 m.weight.numel()
                 for n, m in model.named_modules()
                 if isinstance(m, nn.Linear) and is_quantized_linear(n, cfg.lora)
             )
+        # lora.head=number_rows: as many head rows as the tokens NTIL reads (which ids they are does not
+        # change a count)
+        rows = list(range(len(DIGITS) + cfg.loss.signed_numbers + cfg.loss.decimal_numbers))
         with torch.device("meta"):
-            model = apply_lora(model, cfg.model, cfg.lora)
+            model = apply_lora(model, cfg.model, cfg.lora, rows if cfg.lora.head == "number_rows" else None)
     else:
         freeze_parts(model, cfg.model)
     unique = {id(p): p for p in model.parameters()}.values()
@@ -306,7 +216,7 @@ def estimate(cfg: Config, ds_json: dict[str, Any], gpus: int, gpu_memory_gb: flo
     counts, hf_config = count_parameters(cfg)
     zero = ds_json.get("zero_optimization", {})
     stage = int(zero.get("stage", 0))
-    tp = int((ds_json.get("tensor_parallel") or {}).get("autotp_size", 1))
+    tp = tensor_parallel_size(ds_json)
     dp = max(1, gpus // tp)
     offload_opt = (zero.get("offload_optimizer") or {}).get("device", "none") not in ("none", None)
     offload_par = (zero.get("offload_param") or {}).get("device", "none") not in ("none", None)

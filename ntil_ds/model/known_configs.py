@@ -1,0 +1,102 @@
+"""The Hub ``config.json`` numbers of the models the recipes name: what ``AutoConfig`` would read, only the
+keys that decide the architecture's size. The memory estimator (:mod:`ntil_ds.memory_estimate`) builds
+these models on the meta device from them, so nothing is downloaded."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# The Hub config.json numbers of the models the recipes name (what AutoConfig would read; only the keys
+# that decide the architecture's size).
+KNOWN_CONFIGS: dict[str, dict[str, Any]] = {
+    "Qwen/Qwen2-VL-2B-Instruct": {
+        "model_type": "qwen2_vl",
+        "text_config": {"hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
+                        "num_attention_heads": 12, "num_key_value_heads": 2, "vocab_size": 151936,
+                        "tie_word_embeddings": True},
+        "vision_config": {"depth": 32, "embed_dim": 1280, "mlp_ratio": 4, "num_heads": 16,
+                          "hidden_size": 1536, "patch_size": 14, "spatial_merge_size": 2},
+        "tie_word_embeddings": True,
+    },
+    "Qwen/Qwen2-VL-7B-Instruct": {
+        "model_type": "qwen2_vl",
+        "text_config": {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+                        "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064,
+                        "tie_word_embeddings": False},
+        "vision_config": {"depth": 32, "embed_dim": 1280, "mlp_ratio": 4, "num_heads": 16,
+                          "hidden_size": 3584, "patch_size": 14, "spatial_merge_size": 2},
+        "tie_word_embeddings": False,
+    },
+    "Qwen/Qwen2.5-VL-7B-Instruct": {
+        "model_type": "qwen2_5_vl",
+        "text_config": {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+                        "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064,
+                        "tie_word_embeddings": False},
+        "vision_config": {"depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16,
+                          "out_hidden_size": 3584, "patch_size": 14, "spatial_merge_size": 2,
+                          "window_size": 112, "fullatt_block_indexes": [7, 15, 23, 31]},
+        "tie_word_embeddings": False,
+    },
+    "Qwen/Qwen3-VL-8B-Instruct": {
+        "model_type": "qwen3_vl",
+        "text_config": {"hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+                        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+                        "vocab_size": 151936, "tie_word_embeddings": False},
+        "vision_config": {"depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "num_heads": 16,
+                          "out_hidden_size": 4096, "patch_size": 16, "spatial_merge_size": 2,
+                          "num_position_embeddings": 2304, "deepstack_visual_indexes": [8, 16, 24]},
+        "tie_word_embeddings": False,
+    },
+    "google/gemma-3-4b-it": {
+        "model_type": "gemma3",
+        "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "num_hidden_layers": 34,
+                        "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+                        "vocab_size": 262208, "sliding_window": 1024},
+        "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 1152, "intermediate_size": 4304,
+                          "num_hidden_layers": 27, "num_attention_heads": 16, "image_size": 896,
+                          "patch_size": 14, "vision_use_head": False},
+        "mm_tokens_per_image": 256,
+        "tie_word_embeddings": True,
+    },
+    # InternViT-300M + 2-layer MLP projector + Qwen2.5-7B (vocabulary: Qwen2.5's 151665 + 9 InternVL tokens)
+    "OpenGVLab/InternVL3-8B-hf": {
+        "model_type": "internvl",
+        "text_config": {"model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944,
+                        "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+                        "vocab_size": 151674, "tie_word_embeddings": False},
+        "vision_config": {"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24,
+                          "num_attention_heads": 16, "image_size": 448, "patch_size": 14, "attention_bias": True,
+                          "use_qk_norm": False, "norm_type": "layer_norm"},
+        "downsample_ratio": 0.5,
+        "image_seq_length": 256,
+        "tie_word_embeddings": False,
+    },
+    # SigLIP-so400m (384 px tiles) + pixel shuffle by 3 + one linear projector + SmolLM2-1.7B (vocabulary:
+    # SmolLM2's 49152 + the image/row/column tokens; the head is not tied in this model)
+    "HuggingFaceTB/SmolVLM2-2.2B-Instruct": {
+        "model_type": "smolvlm",
+        "text_config": {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192,
+                        "num_hidden_layers": 24, "num_attention_heads": 32, "num_key_value_heads": 32,
+                        "head_dim": 64, "vocab_size": 49280, "tie_word_embeddings": False},
+        "vision_config": {"hidden_size": 1152, "intermediate_size": 4304, "num_hidden_layers": 27,
+                          "num_attention_heads": 16, "image_size": 384, "patch_size": 14},
+        "scale_factor": 3,
+        "image_token_id": 49190,
+        "tie_word_embeddings": False,
+    },
+    "llava-hf/llava-1.5-7b-hf": {
+        "model_type": "llava",
+        "text_config": {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008,
+                        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+                        "vocab_size": 32064},
+        "vision_config": {"model_type": "clip_vision_model", "hidden_size": 1024, "intermediate_size": 4096,
+                          "num_hidden_layers": 24, "num_attention_heads": 16, "image_size": 336,
+                          "patch_size": 14, "projection_dim": 768},
+        "tie_word_embeddings": False,
+    },
+    "Qwen/Qwen2.5-7B-Instruct": {
+        "model_type": "qwen2",
+        "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
+        "num_key_value_heads": 4, "vocab_size": 152064, "tie_word_embeddings": False,
+    },
+}  # fmt: skip

@@ -1,0 +1,163 @@
+"""Tiny Qwen folders: Qwen2 (text only), Qwen2-VL, Qwen2.5-VL and Qwen3-VL.
+
+The VL families share the tokenizer, the processor files and the 2x2 patch merge; each differs in its
+vision tower and rotary settings. Chat templates (``templates/``): Qwen2-VL / Qwen2.5-VL's real one
+(a system prompt added when none is given); Qwen3-VL-Instruct's without its tool-calling and thinking
+branches (no default system prompt); Qwen2-Instruct's (text only: content is a string).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ntil_ds.tiny.processor_files import save_processor_files
+from ntil_ds.tiny.tokenizer import qwen_tokenizer, tiny_text_config_kwargs
+
+# 28x28 .. 112x112 pixels: 1 to 16 image tokens after the 2x2 merge, so tests stay fast.
+_QWEN_MIN_PIXELS = 28 * 28
+_QWEN_MAX_PIXELS = 112 * 112
+
+_QWEN_VL_ID_TOKENS = {
+    "image_token_id": "<|image_pad|>",
+    "video_token_id": "<|video_pad|>",
+    "vision_start_token_id": "<|vision_start|>",
+    "vision_end_token_id": "<|vision_end|>",
+}
+
+
+def _qwen_vl_image_processor():
+    from transformers import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil(
+        min_pixels=_QWEN_MIN_PIXELS,
+        max_pixels=_QWEN_MAX_PIXELS,
+        patch_size=14,
+        temporal_patch_size=2,
+        merge_size=2,
+    )
+
+
+def _save_qwen_vl_processor(out_dir: Path, processor_class: str, tokenizer) -> None:
+    """Write the processor files a Hub Qwen-VL checkpoint has (see ``processor_files``)."""
+    image_processor = _qwen_vl_image_processor()
+    video_config = {
+        "video_processor_type": "Qwen2VLVideoProcessor",
+        "cap_pixels_per_frame": True,
+        "size": {"shortest_edge": _QWEN_MIN_PIXELS, "longest_edge": _QWEN_MAX_PIXELS},
+        "patch_size": 14,
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+        "image_mean": image_processor.image_mean,
+        "image_std": image_processor.image_std,
+    }
+    save_processor_files(
+        out_dir, tokenizer, image_processor, {"processor_class": processor_class}, video_config
+    )
+
+
+def _qwen_vl_text_and_ids(template: str, rope_parameters: dict, **text_fields) -> tuple:
+    """The shared start of every tiny Qwen-VL: its tokenizer, the text config (with the family's rotary
+    settings), and the image/video/vision-marker ids the config names."""
+    tokenizer = qwen_tokenizer(template)
+    text = tiny_text_config_kwargs(tokenizer)
+    text.update(text_fields)
+    text["rope_parameters"] = rope_parameters
+    ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in _QWEN_VL_ID_TOKENS.items()}
+    return tokenizer, text, ids
+
+
+def build_qwen2_vl(out_dir: Path) -> None:
+    from transformers import Qwen2VLConfig
+
+    # mrope_section sums to head_dim / 2 (head_dim = 64 / 4 = 16).
+    tokenizer, text, ids = _qwen_vl_text_and_ids(
+        "qwen_vl", {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2]}
+    )
+    config = Qwen2VLConfig(
+        text_config=text,
+        vision_config={
+            "depth": 1,
+            "embed_dim": 32,
+            "hidden_size": text["hidden_size"],
+            "num_heads": 2,
+            "mlp_ratio": 2,
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+        },
+        tie_word_embeddings=False,
+        **ids,
+    )
+    config.save_pretrained(out_dir)
+    _save_qwen_vl_processor(out_dir, "Qwen2VLProcessor", tokenizer)
+
+
+def build_qwen2_5_vl(out_dir: Path) -> None:
+    from transformers import Qwen2_5_VLConfig
+
+    tokenizer, text, ids = _qwen_vl_text_and_ids(
+        "qwen_vl", {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2]}
+    )
+    config = Qwen2_5_VLConfig(
+        text_config=text,
+        vision_config={
+            "depth": 2,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_heads": 2,
+            "out_hidden_size": text["hidden_size"],
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "window_size": 56,
+            "fullatt_block_indexes": [1],
+        },
+        tie_word_embeddings=False,
+        **ids,
+    )
+    config.save_pretrained(out_dir)
+    _save_qwen_vl_processor(out_dir, "Qwen2_5_VLProcessor", tokenizer)
+
+
+def build_qwen3_vl(out_dir: Path) -> None:
+    from transformers import Qwen3VLConfig
+
+    # Interleaved M-RoPE; the sections sum to head_dim / 2 as in the real [24, 20, 20] for head_dim 128.
+    tokenizer, text, ids = _qwen_vl_text_and_ids(
+        "qwen3_vl",
+        {
+            "rope_type": "default",
+            "rope_theta": 5000000.0,
+            "mrope_section": [4, 2, 2],
+            "mrope_interleaved": True,
+        },
+        head_dim=16,
+    )
+    config = Qwen3VLConfig(
+        text_config=text,
+        vision_config={
+            "depth": 2,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_heads": 2,
+            "out_hidden_size": text["hidden_size"],
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "num_position_embeddings": 64,  # an 8x8 learned grid, interpolated to the image's patches
+            "deepstack_visual_indexes": [0],  # layer 0's features are also added to the LM's first layer
+        },
+        tie_word_embeddings=False,
+        **ids,
+    )
+    config.save_pretrained(out_dir)
+    _save_qwen_vl_processor(out_dir, "Qwen3VLProcessor", tokenizer)
+
+
+def build_qwen2(out_dir: Path) -> None:
+    from transformers import Qwen2Config
+
+    tokenizer = qwen_tokenizer("qwen2")
+    config = Qwen2Config(**tiny_text_config_kwargs(tokenizer), tie_word_embeddings=False)
+    config.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)

@@ -1,0 +1,103 @@
+"""The tiny folders' tokenizers: a byte-level BPE trained here, deterministically, on a small fixed
+English corpus, wrapped as a transformers fast tokenizer with the family's special tokens and chat
+template; and the text-model dimensions every tiny family shares.
+
+The BPE spells numbers digit by digit (like Qwen's), holds every byte, so any text encodes, and keeps the
+model family's special tokens (bos/eos/pad, image and vision markers) inside its small vocabulary.
+"""
+
+from __future__ import annotations
+
+from importlib.resources import files
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+# Tiny vocab: 256 bytes + special tokens + merges learned on the corpus below.
+TINY_VOCAB_SIZE = 512
+
+QWEN_SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+
+# Fixed training text for the BPE merges: the prompts of the synthetic tasks and common English, so
+# typical prompts take few tokens. Digits never merge (they are split before BPE sees them).
+_CORPUS = """
+You are a helpful assistant. What time is it? What time does the clock show? Answer as HH:MM.
+Where is the red square? Where is the blue circle? Where is the green triangle? Answer with the box
+[x1, y1, x2, y2] in pixels. What is the value of the bar labelled A? What is the value of the bar?
+Compute the sum. Compute the difference. Compute the product. What is the answer? The answer is
+the number. Describe the image. What is in the picture? How many objects are there? Read the chart.
+The quick brown fox jumps over the lazy dog. A picture is worth a thousand words. This is a test of the
+tokenizer with some ordinary English sentences, questions and answers about images, charts, clocks,
+boxes, shapes, colours: red, green, blue, yellow, orange, purple, black, white, gray, cyan, magenta.
+square circle triangle rectangle hour minute second left right top bottom width height value label
+plus minus times divided equals sum difference product quotient result number digits
+USER: ASSISTANT: system user assistant
+"""
+
+
+def chat_template(name: str) -> str:
+    """The chat template ``templates/<name>.jinja`` (package data; the file ends with one newline that
+    is not part of the template)."""
+    return (files(__package__) / "templates" / f"{name}.jinja").read_text(encoding="utf-8").removesuffix("\n")
+
+
+def train_tokenizer(special_tokens: tuple[str, ...]) -> Tokenizer:
+    tokenizer = Tokenizer(models.BPE())
+    # Digits first, one per token (as Qwen does), then GPT-2 byte-level splitting of the rest.
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TINY_VOCAB_SIZE,
+        special_tokens=list(special_tokens),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    lines = [line for line in _CORPUS.strip().splitlines() for _ in range(3)]
+    tokenizer.train_from_iterator(lines, trainer=trainer)
+    return tokenizer
+
+
+def fast_tokenizer(special_tokens: tuple[str, ...], chat_template: str, **token_roles: str):
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(
+        tokenizer_object=train_tokenizer(special_tokens),
+        chat_template=chat_template,
+        model_max_length=4096,
+        **token_roles,
+    )
+
+
+def qwen_tokenizer(template: str):
+    """Qwen's tokens; the instruct models end a turn (and generation) with <|im_end|>; <|endoftext|> pads."""
+    return fast_tokenizer(
+        QWEN_SPECIAL_TOKENS, chat_template(template), eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
+
+
+def tiny_text_config_kwargs(tokenizer) -> dict:
+    """The text model every tiny family shares: 2 layers of width 64, the tokenizer's special ids."""
+    return {
+        "vocab_size": len(tokenizer),
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 4096,
+        "bos_token_id": tokenizer.convert_tokens_to_ids(tokenizer.bos_token or tokenizer.pad_token),
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
