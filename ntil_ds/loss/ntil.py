@@ -24,13 +24,13 @@ import torch
 import torch.distributed as dist
 
 from ntil_ds.loss.number_terms import (
-    NumberParams,
     kernel_number_terms,
     number_stage,
     number_tables,
     resolve_number_stage,
     torch_number_terms,
 )
+from ntil_ds.loss.numbers import NumberParams
 from ntil_ds.loss.vocab_stats import check_kernel_choice, compute_dtype, position_stats
 
 # Added to NTIL in the rescaling factor CE / (NTIL + eps), as in the reference.

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ntil_ds.loss.number_terms import NumberParams
+from ntil_ds.loss.numbers import NumberParams
 from ntil_ds.loss.vocab_kernel import on_device
 
 # Positions per step of a program, and warps: from the compile check (tests/unit/test_kernel_compile.py;

@@ -15,32 +15,11 @@ CPU and atomic (not bitwise reproducible) on CUDA.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 
-from ntil_ds.loss.numbers import NumberLayout, analyse_numbers
-
-
-@dataclass(frozen=True)
-class NumberParams:
-    """The hyperparameters of the number stage (`NTILLoss`'s, see its docstring)."""
-
-    digit_alpha: float
-    abs_alpha: float
-    mag_alpha: float
-    digit_exp: float
-    gumbel_tau: float
-    ignore_index: int
-    decimal_point_id: int | None  # None: paper mode, no decimal numbers
-    minus_sign_id: int | None  # None: no signed numbers
-    max_number_digits: int
-
-    @property
-    def uses_gumbel(self) -> bool:
-        """REL/MAG carry gradient (so their straight-through reconstruction is needed)."""
-        return self.abs_alpha > 0 or self.mag_alpha > 0
+from ntil_ds.loss.numbers import NumberLayout, NumberParams, analyse_numbers
 
 
 def number_tables(params: NumberParams, place_values: torch.Tensor) -> torch.Tensor:
