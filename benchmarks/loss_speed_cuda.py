@@ -12,10 +12,12 @@ Per shape and logits dtype, forward + backward of each method on the same logits
 - launches per call: GPU activities (kernels, memsets, copies) of one call under torch.profiler;
 - host sync: whether one call of NTILLoss runs under `torch.cuda.set_sync_debug_mode("error")`.
 
-Methods: cross_entropy (the baseline above); ntil (NTILLoss, the fused Triton kernels when Triton
-imports); ntil_compiled (the same with number_stage="compile": the number stage through
-torch.compile, compiled once during the warm-up calls, ~tens of seconds); ntil_torch (NTILLoss with
-kernel="torch": the fallback with device-sized tiles);
+Methods: cross_entropy (the baseline above); ntil (NTILLoss as configured by default: the Triton
+vocabulary kernels and the Triton number stage when Triton imports, 4 Triton launches in all);
+ntil_eager (the same with number_stage="eager": the number stage as ~230 torch ops);
+ntil_compiled (number_stage="compile": the number stage through torch.compile, compiled once during
+the warm-up calls, ~tens of seconds); ntil_torch (NTILLoss with kernel="torch": the vocabulary
+fallback with device-sized tiles);
 liger (LigerCrossEntropyLoss, the fused cross-entropy anchor, if liger-kernel is installed; it writes
 the gradient into the logits' own storage during the forward, so it gets a private copy of them);
 ntloss (ntloss.NTLoss + cross-entropy, if ntloss is installed). Needs only torch (+ triton) on a CUDA
@@ -35,7 +37,7 @@ from benchmarks.loss_cases import DIGIT_IDS, make_batch_cuda, ntloss_with_cross_
 from ntil_ds.loss import NTILLoss
 
 CUDA_SHAPES = [(8, 512, 32000), (4, 2048, 151936), (8, 4096, 151936)]
-CUDA_METHODS = ("cross_entropy", "ntil", "ntil_compiled", "ntil_torch", "liger", "ntloss")
+CUDA_METHODS = ("cross_entropy", "ntil", "ntil_eager", "ntil_compiled", "ntil_torch", "liger", "ntloss")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
 
@@ -45,7 +47,8 @@ def _hf_cross_entropy(logits, labels):
 
 # One instance per method for the whole run: the compiled number stage (dynamic shapes) is compiled once.
 _NTIL_LOSSES = {
-    "ntil": NTILLoss(DIGIT_IDS),  # kernel="auto": the Triton kernels on CUDA when triton imports
+    "ntil": NTILLoss(DIGIT_IDS),  # kernel="auto", number_stage="auto": the Triton kernels on CUDA
+    "ntil_eager": NTILLoss(DIGIT_IDS, number_stage="eager"),
     "ntil_torch": NTILLoss(DIGIT_IDS, kernel="torch"),
     "ntil_compiled": NTILLoss(DIGIT_IDS, number_stage="compile"),
 }

@@ -92,9 +92,11 @@ class LossConfig:
     # vocabulary stage; auto = the fused Triton kernels for CUDA logits when triton imports, else the torch
     # tiles; torch / triton force one (triton fails without Triton).
     kernel: Literal["auto", "torch", "triton"] = "auto"
-    # number_stage: eager runs the per-digit/per-number terms as written; compile runs them through
-    # torch.compile (fewer, fused kernels on CUDA; compiled once at the first step, ~tens of seconds).
-    number_stage: Literal["eager", "compile"] = "eager"
+    # number_stage: the per-digit/per-number terms; auto = the Triton number kernels on CUDA when triton
+    # imports (one launch each way, deterministic), else eager; eager = the torch ops as written; compile =
+    # those through torch.compile (compiled once at the first step, ~tens of seconds); triton forces the
+    # kernels (fails without Triton).
+    number_stage: Literal["auto", "eager", "compile", "triton"] = "auto"
     # logits: labelled runs the output head only at the positions with a target, in chunks fused with the
     # loss (no full-vocabulary logits tensor; ntil_ds/labelled_forward.py); all asks the model for its
     # logits everywhere (for comparison; loss.name=ntl always reads them, ntloss needs every row).

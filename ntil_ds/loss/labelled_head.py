@@ -102,6 +102,8 @@ class _LabelledHeadStats(torch.autograd.Function):
         ctx, hidden, weight, bias, delta, delta_rows, head, targets, column_ids, vocab_start, process_group,
         payload, kernel_choice, chunk,
     ):  # fmt: skip
+        # As in vocab_stats._PositionStats: outputs without a gradient arrive as None, not zero tensors.
+        ctx.set_materialize_grads(False)
         num_rows = hidden.shape[0]
         kernel = kernel_wanted(hidden, kernel_choice)  # the logits have the hidden states' dtype and device
         # No labelled row (a rank's micro-batch can have none) is one empty chunk: the head still gets its

@@ -14,6 +14,7 @@ which computed the golden cases in `tests/unit/loss_golden/ntil_reference_cases.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,11 +23,19 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from ntil_ds.loss.numbers import NumberLayout, analyse_numbers
+from ntil_ds.loss.number_terms import (
+    kernel_number_terms,
+    number_stage,
+    number_tables,
+    resolve_number_stage,
+    torch_number_terms,
+)
+from ntil_ds.loss.numbers import NumberParams
 from ntil_ds.loss.vocab_stats import check_kernel_choice, compute_dtype, position_stats
 
 # Added to NTIL in the rescaling factor CE / (NTIL + eps), as in the reference.
 _RESCALE_EPS = 1e-10
+NUMBER_STAGES = ("auto", "eager", "compile", "triton")
 
 
 @dataclass(frozen=True)
@@ -108,8 +117,12 @@ class NTILLoss:
       fp32/bf16/fp16 when triton imports and the torch tiles otherwise; "torch" always the torch
       tiles; "triton" always the kernels (an error without Triton; CPU tensors only under Triton's
       interpreter, TRITON_INTERPRET=1).
-    - `number_stage`: "eager" runs stage 2 as written; "compile" runs it through
-      `torch.compile(dynamic=True)` (compiled at the first call, once per instance).
+    - `number_stage`: stage 2. "auto" runs the Triton number kernels (`number_kernel`: one launch
+      forward, one backward, deterministic) on CUDA when triton imports, the torch stage otherwise;
+      "eager" always the torch stage as written; "compile" the torch stage through
+      `torch.compile(dynamic=True)` (compiled at the first call, once per instance); "triton" always
+      the kernels (an error without Triton; CPU tensors only under TRITON_INTERPRET=1). fp64 columns
+      (fp64 logits on the torch vocabulary path) always take the torch stage.
     """
 
     def __init__(
@@ -129,7 +142,7 @@ class NTILLoss:
         minus_sign_id: int | None = None,
         max_number_digits: int = 18,
         kernel: Literal["auto", "torch", "triton"] = "auto",
-        number_stage: Literal["eager", "compile"] = "eager",
+        number_stage: Literal["auto", "eager", "compile", "triton"] = "auto",
     ) -> None:
         ids = list(digit_token_ids)
         if len(ids) != 10 or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
@@ -158,9 +171,15 @@ class NTILLoss:
         for name, value in [("decimal_point_id", decimal_point_id), ("minus_sign_id", minus_sign_id)]:
             if value is not None and (value < 0 or value in ids):
                 raise ValueError(f"{name}={value} must be a non-negative id that is not a digit token.")
+        if decimal_numbers and signed_numbers and decimal_point_id == minus_sign_id:
+            raise ValueError(
+                f"decimal_point_id and minus_sign_id are both {minus_sign_id}: they must differ."
+            )
         check_kernel_choice(kernel)
-        if number_stage not in ("eager", "compile"):
-            raise ValueError(f"number_stage={number_stage!r}: expected one of 'eager', 'compile'.")
+        if number_stage not in NUMBER_STAGES:
+            raise ValueError(
+                f"number_stage={number_stage!r}: expected one of {', '.join(map(repr, NUMBER_STAGES))}."
+            )
 
         self.digit_token_ids = ids
         self.ntil_lambda = float(ntil_lambda)
@@ -178,7 +197,18 @@ class NTILLoss:
         self.number_stage = number_stage
         # Columns gathered per position: the ten digits, then the minus sign in signed mode.
         self._column_ids = ids + ([minus_sign_id] if self.minus_sign_id is not None else [])
-        self._constants: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._params = NumberParams(
+            digit_alpha=self.digit_alpha,
+            abs_alpha=self.abs_alpha,
+            mag_alpha=self.mag_alpha,
+            digit_exp=self.digit_exp,
+            gumbel_tau=self.gumbel_tau,
+            ignore_index=self.ignore_index,
+            decimal_point_id=self.decimal_point_id,
+            minus_sign_id=self.minus_sign_id,
+            max_number_digits=self.max_number_digits,
+        )
+        self._constants: dict[torch.device, tuple[torch.Tensor, ...]] = {}
         self._compiled_number_stage = None
 
     def __repr__(self) -> str:
@@ -192,18 +222,21 @@ class NTILLoss:
     @property
     def uses_gumbel(self) -> bool:
         """REL/MAG carry gradient (so their straight-through reconstruction is needed)."""
-        return self.abs_alpha > 0 or self.mag_alpha > 0
+        return self._params.uses_gumbel
 
-    def _device_constants(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Digit ids, gathered column ids, and the float32 place-value table 10**k for k in
-        [-(cap-1), cap-1] plus a 0; copied to the device once (a copy per call would sync)."""
+    def _device_constants(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """Digit ids, gathered column ids, the float32 place-value table 10**k for k in [-(cap-1),
+        cap-1] plus a 0, and the Triton stage's tables (`number_terms.number_tables`); made on the
+        device once (a copy per call would sync)."""
         if device not in self._constants:
             cap = self.max_number_digits
             places = [10.0**k for k in range(-(cap - 1), cap)] + [0.0]
+            place_values = torch.tensor(places, dtype=torch.float32, device=device)
             self._constants[device] = (
                 torch.tensor(self.digit_token_ids, dtype=torch.long, device=device),
                 torch.tensor(self._column_ids, dtype=torch.long, device=device),
-                torch.tensor(places, dtype=torch.float32, device=device),
+                place_values,
+                number_tables(self._params, place_values),
             )
         return self._constants[device]
 
@@ -252,15 +285,18 @@ class NTILLoss:
         batch, length, local_vocab = logits.shape
         labels = labels.long()
         targets, noise = self.position_targets_and_noise(labels, compute_dtype(logits.dtype), generator)
-        ce, columns, row_max, noise = position_stats(
+        # Vocabulary shards: the first rank's noise reaches every rank inside the SUM all-reduce.
+        ce, columns, row_max, received = position_stats(
             logits.reshape(batch * length, local_vocab),
             targets,
             self._device_constants(logits.device)[1],
             vocab_start=vocab_start,
             process_group=process_group,
-            payload=noise,
+            payload=None if process_group is None else noise,
             kernel=self.kernel,
         )
+        if process_group is not None:
+            noise = received
         return self.from_position_stats(labels, ce, columns, row_max, noise, unpack_index)
 
     @property
@@ -297,34 +333,19 @@ class NTILLoss:
         ``[B*T, C]`` columns, the noise as stage 1 passed it on): the number stage and the combination."""
         labels = labels.long()
         labelled = labels != self.ignore_index
-        digit_ids, _, place_values = self._device_constants(labels.device)
         num_tokens = labelled.sum()
         ce_sum = ce.sum()
         ce_mean = ce_sum / num_tokens.clamp(min=1)
 
-        if unpack_index is not None:  # small [B*T, <=31] tensors regathered sample by sample
-            labels, columns, row_max, noise = _unpack(
-                unpack_index, self.ignore_index, labels, columns, row_max, noise
-            )
-        predicted_minus = None
-        if self.minus_sign_id is not None:
-            predicted_minus = columns[:, 10].detach() >= row_max
-        digit_logits = columns[:, :10]
-        rel_noise, mag_noise = (None, None) if noise is None else (noise[:, :10], noise[:, 10:])
-
-        number_stage = self._number_stage_for()
         if self.ntil_lambda > 0:
-            emd, rel, mag = number_stage(
-                labels, digit_ids, digit_logits, place_values, rel_noise, mag_noise, predicted_minus
-            )
+            ntil_per_sequence, parts = self._number_terms(labels, columns, row_max, noise, unpack_index)
         else:
             with torch.no_grad():
-                detached = digit_logits.detach()
-                emd, rel, mag = number_stage(
-                    labels, digit_ids, detached, place_values, rel_noise, mag_noise, predicted_minus
+                ntil_per_sequence, parts = self._number_terms(
+                    labels, columns.detach(), row_max, noise, unpack_index
                 )
-        ntil_per_sequence = self.digit_alpha * emd + self.abs_alpha * rel + self.mag_alpha * mag
         ntil = ntil_per_sequence.mean()
+        emd, rel, mag = parts.mean(dim=0).unbind()  # means over the sequences
 
         if self.ntil_lambda > 0:
             rescale = (ce_mean / (ntil + _RESCALE_EPS)).detach()
@@ -334,135 +355,34 @@ class NTILLoss:
         return NTILOutput(
             loss=loss,
             ntil=ntil,
-            emd=emd.mean(),
-            rel=rel.mean(),
-            mag=mag.mean(),
+            emd=emd,
+            rel=rel,
+            mag=mag,
             ce_sum=ce_sum,
             ce_mean=ce_mean,
             num_tokens=num_tokens,
             loss_sum=loss * num_tokens,
         )
 
-    def _number_stage_for(self):
-        """The number stage as written (eager), or compiled into a few fused kernels when
-        number_stage="compile" (CUDA with Triton: see docs/loss.md; compiled once, dynamic shapes)."""
-        if self.number_stage == "eager":
-            return self._number_stage
-        if self._compiled_number_stage is None:
-            self._compiled_number_stage = torch.compile(self._number_stage, dynamic=True)
-        return self._compiled_number_stage
-
-    def _number_stage(
-        self,
-        labels: torch.Tensor,
-        digit_ids: torch.Tensor,
-        digit_logits: torch.Tensor,
-        place_values: torch.Tensor,
-        rel_noise: torch.Tensor | None,
-        mag_noise: torch.Tensor | None,
-        predicted_minus: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Stage 2: everything after the vocabulary, on `[B, T]` labels and `[B*T, 10]` logits."""
-        layout = analyse_numbers(
-            labels,
-            digit_ids,
-            ignore_index=self.ignore_index,
-            decimal_point_id=self.decimal_point_id,
-            minus_sign_id=self.minus_sign_id,
-        )
-        return self._number_terms(layout, digit_logits, place_values, rel_noise, mag_noise, predicted_minus)
+    def number_stage_for(self, columns: torch.Tensor) -> str:
+        """What runs stage 2 on these columns: "triton", "eager" or "compile" (see the class docstring)."""
+        return resolve_number_stage(self.number_stage, columns.dtype, columns.is_cuda)
 
     def _number_terms(
-        self,
-        layout: NumberLayout,
-        digit_logits: torch.Tensor,
-        place_values: torch.Tensor,
-        rel_noise: torch.Tensor | None,
-        mag_noise: torch.Tensor | None,
-        predicted_minus: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Per-sequence EMD, REL and MAG `[B]` from the digit logits `[B*T, 10]` (fp32)."""
-        batch = layout.is_digit.shape[0]
-        is_digit = layout.is_digit.flatten()
-        digit = layout.digit.flatten()
-        place = layout.place.flatten()
-        cap = self.max_number_digits
-
-        # Token level: place-weighted EMD between softmax(digit logits) and the one-hot target.
-        dtype = digit_logits.dtype
-        digit_values = torch.arange(10, dtype=dtype, device=digit_logits.device)
-        distance = (digit_values[None, :] - digit[:, None]).abs()
-        emd_per_position = (digit_logits.softmax(dim=-1) * distance).sum(dim=-1)
-        weight = torch.pow(self.digit_exp, place.clamp(max=cap - 1).to(dtype))
-        weighted = torch.where(is_digit, emd_per_position * weight, 0.0).view(batch, -1)
-        emd = weighted.sum(dim=1) / layout.digits_per_sequence.clamp(min=1)
-
-        # Sequence level: numbers per run. Digits beyond the cap read as 0 (index of the 0 entry).
-        in_range = is_digit & (place > -cap) & (place < cap)
-        place_index = torch.where(in_range, place + cap - 1, 2 * cap - 1)
-        place_value = place_values.to(dtype)[place_index]
-        num_slots = is_digit.numel()
-
-        def run_sum(per_position: torch.Tensor) -> torch.Tensor:
-            out = torch.zeros(num_slots + 1, dtype=per_position.dtype, device=per_position.device)
-            return out.index_add_(0, layout.run_slot, per_position * place_value)[:num_slots]
-
-        target = run_sum(digit.to(dtype))
-        target_sign = torch.where(layout.run_negative, -1.0, 1.0).to(dtype)
-        predicted_sign = torch.ones_like(target_sign)
-        if predicted_minus is not None:
-            sign_position = layout.run_sign_position
-            negative = predicted_minus[sign_position.clamp(min=0)] & (sign_position >= 0)
-            predicted_sign = torch.where(negative, -1.0, 1.0).to(dtype)
-
-        def predicted_numbers(noise: torch.Tensor | None) -> torch.Tensor:
-            return run_sum(self._straight_through_digit(digit_logits, noise))
-
-        if self.uses_gumbel:
-            predicted_for_rel = predicted_numbers(rel_noise)
-            predicted_for_mag = predicted_numbers(mag_noise) if mag_noise is not None else predicted_for_rel
-        else:
-            with torch.no_grad():
-                predicted_for_rel = predicted_for_mag = predicted_numbers(None)
-
-        signed_prediction = predicted_sign * predicted_for_rel
-        signed_target = target_sign * target
-        rel_per_run = (signed_prediction - signed_target).abs() / (
-            torch.maximum(predicted_for_rel, target) + 1.0
-        )
-        rel_per_run = torch.where(signed_prediction == signed_target, 0.0, rel_per_run)
-        mag_per_run = torch.log(
-            (torch.maximum(predicted_for_mag, target) + 1.0)
-            / (torch.minimum(predicted_for_mag, target) + 1.0)
-        )
-
-        runs = layout.runs_per_sequence.clamp(min=1)
-        sequence = layout.run_sequence
-
-        def per_sequence(per_run: torch.Tensor) -> torch.Tensor:
-            per_run = torch.where(layout.run_exists, per_run, 0.0)
-            return (
-                torch.zeros(batch, dtype=dtype, device=per_run.device).index_add_(0, sequence, per_run) / runs
+        self, labels, columns, row_max, noise, unpack_index
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """ntil `[S]` and (emd, rel, mag) `[S, 3]` per sequence, by the stage `number_stage_for` picks."""
+        digit_ids, _, place_values, tables = self._device_constants(columns.device)
+        stage = self.number_stage_for(columns)
+        if stage == "triton":
+            return kernel_number_terms(
+                self._params, labels, columns, row_max, noise, unpack_index, digit_ids, tables
             )
-
-        return emd, per_sequence(rel_per_run), per_sequence(mag_per_run)
-
-    def _straight_through_digit(self, digit_logits: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:
-        """Digit value per position: argmax digit forward, Gumbel-softmax gradient backward.
-
-        Written as the reference writes it (`onehot - soft.detach() + soft`, then `@ arange`) so
-        the forward values carry the same float32 rounding, which the golden gradients depend on.
-        """
-        noisy = digit_logits if noise is None else digit_logits + noise
-        soft = (noisy / self.gumbel_tau).softmax(dim=-1)
-        hard = torch.zeros_like(soft).scatter_(-1, soft.argmax(dim=-1, keepdim=True), 1.0)
-        straight_through = hard - soft.detach() + soft
-        return straight_through @ torch.arange(10, dtype=soft.dtype, device=digit_logits.device)
-
-
-def _unpack(index: torch.Tensor, ignore: int, labels: torch.Tensor, *per_position: torch.Tensor | None):
-    """Packed per-position tensors laid out one sample per row: labels `[S, L]` (ignored past each
-    sample's end) and the `[B*T, ...]` tensors as `[S*L, ...]` (the gather passes gradients back)."""
-    flat = index.flatten().clamp(min=0)
-    unpacked = labels.flatten()[flat].view(index.shape).masked_fill(index < 0, ignore)
-    return (unpacked, *(None if t is None else t[flat] for t in per_position))
+        run = functools.partial(number_stage, self._params)
+        if stage == "compile":
+            if self._compiled_number_stage is None:  # once per instance; dynamic shapes
+                self._compiled_number_stage = torch.compile(run, dynamic=True)
+            run = self._compiled_number_stage
+        return torch_number_terms(
+            self._params, run, labels, columns, row_max, noise, unpack_index, digit_ids, place_values
+        )

@@ -30,6 +30,27 @@ class NumberLayout:
     runs_per_sequence: torch.Tensor  # [B] int64
 
 
+@dataclass(frozen=True)
+class NumberParams:
+    """The hyperparameters of the number stage (`NTILLoss`'s, see its docstring): here, below both of its
+    implementations (`number_terms`, `number_kernel`), which take them."""
+
+    digit_alpha: float
+    abs_alpha: float
+    mag_alpha: float
+    digit_exp: float
+    gumbel_tau: float
+    ignore_index: int
+    decimal_point_id: int | None  # None: paper mode, no decimal numbers
+    minus_sign_id: int | None  # None: no signed numbers
+    max_number_digits: int
+
+    @property
+    def uses_gumbel(self) -> bool:
+        """REL/MAG carry gradient (so their straight-through reconstruction is needed)."""
+        return self.abs_alpha > 0 or self.mag_alpha > 0
+
+
 def _shift_right(mask: torch.Tensor, steps: int = 1) -> torch.Tensor:
     """mask[:, t - steps], False where t < steps."""
     out = torch.zeros_like(mask)

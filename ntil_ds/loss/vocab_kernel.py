@@ -3,7 +3,7 @@
 One program per row (position). Forward: a single pass over the row's logits keeps an online max and
 sum of exponentials (rescaled whenever the max grows), so the row is read once in its own dtype and
 never upcast as a whole; the target logit and the K gathered columns (the digits, the minus sign) are
-K + 1 scalar loads from the same row, which is in L2 at that point. Backward: a second pass recomputes
+K + 1 scalar loads from the same row, issued before that pass so that their latency overlaps it. Backward: a second pass recomputes
 `softmax * dCE`, subtracts `dCE` at the target and writes the gradient once, in the logits' dtype; then,
 after a barrier that orders those stores, the K column entries are rewritten with the column gradients
 added (the pattern of Triton's and Liger-Kernel's cross-entropy kernels, which patch the target entry
@@ -23,22 +23,49 @@ Written for triton >= 3.2.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-# Largest vocabulary block a program holds at once (elements): one 16-warp program keeps 32 fp32 values
-# per thread. Smaller vocabularies use the next power of two; tests shrink it to cross block edges.
-MAX_BLOCK = 16384
-NUM_WARPS = 16
+# (largest vocabulary block, warps) per program, by compute capability. From the compile check
+# (tests/unit/test_kernel_compile.py; the sweep is in docs/loss.md): on sm_80, sm_90 and sm_100 alike, the
+# configuration with the most resident warps per SM (registers per thread x threads, 64K registers an SM)
+# and 0 spills, ties going to the larger block (fewer block reductions per row). Forward: 16384 / 32 warps,
+# 31-37 registers, 2 programs = 64 warps an SM (32768 / 32 and 16384 / 16 give 32). Backward: 32768 / 32
+# warps, 64 registers, 32 warps an SM (16384 / 16, as before: 88-128 registers, 16 warps). Liger's
+# cross-entropy uses 32 warps with 32768 blocks. Other GPUs (sm_86/89/120: fewer threads an SM) keep
+# 16384 / 16, which fits every architecture.
+LAUNCH = {cc: {"forward": (16384, 32), "backward": (32768, 32)} for cc in (80, 90, 100)}
+DEFAULT_LAUNCH = {"forward": (16384, 16), "backward": (16384, 16)}
+# Tests: a smaller largest block, to cross block edges on small vocabularies in the interpreter.
+MAX_BLOCK: int | None = None
 # Columns are handled as one padded vector of this many lanes (ten digits + minus sign fit).
 _MIN_COLUMN_LANES = 16
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _block(local_vocab: int) -> int:
-    return min(MAX_BLOCK, triton.next_power_of_2(max(local_vocab, 16)))
+@functools.cache
+def _capability(device_index: int) -> int:
+    major, minor = torch.cuda.get_device_capability(device_index)
+    return 10 * major + minor
+
+
+def launch_config(device: torch.device, kernel: str) -> tuple[int, int]:
+    """(largest block, warps) of the "forward" or "backward" kernel on this device (see LAUNCH)."""
+    if device.type != "cuda":  # the interpreter
+        block, warps = DEFAULT_LAUNCH[kernel]
+    else:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        block, warps = LAUNCH.get(_capability(index), DEFAULT_LAUNCH)[kernel]
+    return (MAX_BLOCK or block), warps
+
+
+def _block(local_vocab: int, largest: int) -> int:
+    return min(largest, triton.next_power_of_2(max(local_vocab, 16)))
 
 
 def _column_lanes(num_columns: int) -> int:
@@ -73,17 +100,9 @@ def _forward_kernel(
     row_ptr = logits_ptr + row * logits_stride
     offsets = tl.arange(0, BLOCK)
 
-    # Online max / sum of exp over the row, block by block; the sum is rescaled when the max grows.
-    running_max = float("-inf")
-    running_sum = 0.0
-    for start in range(0, local_vocab, BLOCK):
-        cols = start + offsets
-        x = tl.load(row_ptr + cols, mask=cols < local_vocab, other=float("-inf")).to(tl.float32)
-        new_max = tl.maximum(running_max, tl.max(x, axis=0))
-        running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
-        running_max = new_max
-
-    # Target logit: one scalar load from the row (0 where this rank does not own the label).
+    # The target logit and the K column logits first: issued before the streaming loop, their latency
+    # overlaps it (after the loop a long row has left L2 and they would be extra DRAM round trips).
+    # Target logit: 0 where this rank does not own the label.
     target = tl.load(targets_ptr + row)
     valid = target >= 0
     owned = valid & (target >= vocab_start) & (target < vocab_start + local_vocab)
@@ -98,6 +117,16 @@ def _forward_kernel(
     local_columns = tl.where(is_local, column_ids - vocab_start, 0)
     column_logits = tl.load(row_ptr + local_columns, mask=is_local, other=0.0).to(tl.float32)
     column_logits = tl.where(is_local, column_logits, 0.0)
+
+    # Online max / sum of exp over the row, block by block; the sum is rescaled when the max grows.
+    running_max = float("-inf")
+    running_sum = 0.0
+    for start in range(0, local_vocab, BLOCK):
+        cols = start + offsets
+        x = tl.load(row_ptr + cols, mask=cols < local_vocab, other=float("-inf")).to(tl.float32)
+        new_max = tl.maximum(running_max, tl.max(x, axis=0))
+        running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
+        running_max = new_max
 
     out_row = columns_ptr + row * columns_stride
     tl.store(max_ptr + row, running_max)
@@ -189,6 +218,11 @@ def _backward_kernel(
         tl.store(grad_row_ptr + local_columns, grad.to(grad_ptr.dtype.element_ty), mask=is_local)
 
 
+def on_device(tensor: torch.Tensor):
+    """Launch on the tensor's own GPU, not the current one."""
+    return torch.cuda.device(tensor.device) if tensor.is_cuda else contextlib.nullcontext()
+
+
 def _check_device(logits: torch.Tensor) -> None:
     if not logits.is_cuda and not _interpreting():
         raise RuntimeError(
@@ -210,12 +244,14 @@ def forward_full(
     log_sum_exp = torch.empty_like(ce)
     row_max = torch.empty_like(ce)
     columns = torch.empty(num_rows, num_columns, dtype=torch.float32, device=device)
+    largest, warps = launch_config(device, "forward")
     if num_rows:
-        _forward_kernel[(num_rows,)](
-            logits, logits.stride(0), targets, column_ids, num_columns, 0, vocab,
-            row_max, columns, columns.stride(0), ce, log_sum_exp,
-            FINALIZE=True, BLOCK=_block(vocab), LANES=_column_lanes(num_columns), num_warps=NUM_WARPS,
-        )  # fmt: skip
+        with on_device(logits):
+            _forward_kernel[(num_rows,)](
+                logits, logits.stride(0), targets, column_ids, num_columns, 0, vocab,
+                row_max, columns, columns.stride(0), ce, log_sum_exp,
+                FINALIZE=True, BLOCK=_block(vocab, largest), LANES=_column_lanes(num_columns), num_warps=warps,
+            )  # fmt: skip
     return ce, columns, row_max, log_sum_exp
 
 
@@ -230,12 +266,14 @@ def forward_partials(
     num_columns = column_ids.numel()
     local_max = torch.empty(num_rows, dtype=torch.float32, device=logits.device)
     packed = torch.empty(num_rows, width, dtype=torch.float32, device=logits.device)
+    largest, warps = launch_config(logits.device, "forward")
     if num_rows:
-        _forward_kernel[(num_rows,)](
-            logits, logits.stride(0), targets, column_ids, num_columns, vocab_start, local_vocab,
-            local_max, packed, packed.stride(0), packed, packed,
-            FINALIZE=False, BLOCK=_block(local_vocab), LANES=_column_lanes(num_columns), num_warps=NUM_WARPS,
-        )  # fmt: skip
+        with on_device(logits):
+            _forward_kernel[(num_rows,)](
+                logits, logits.stride(0), targets, column_ids, num_columns, vocab_start, local_vocab,
+                local_max, packed, packed.stride(0), packed, packed, FINALIZE=False,
+                BLOCK=_block(local_vocab, largest), LANES=_column_lanes(num_columns), num_warps=warps,
+            )  # fmt: skip
     return local_max, packed
 
 
@@ -257,11 +295,13 @@ def backward(
     # Absent gradients: pass any tensor as the pointer, the constexpr flag skips its loads.
     ce_arg = grad_ce if grad_ce is not None else log_sum_exp
     columns_arg = grad_columns if grad_columns is not None else log_sum_exp[:, None]
-    _backward_kernel[(num_rows,)](
-        logits, logits.stride(0), grad_logits, grad_logits.stride(0), targets, log_sum_exp,
-        ce_arg, ce_arg.stride(0), columns_arg, columns_arg.stride(0), columns_arg.stride(1),
-        column_ids, num_columns, vocab_start, local_vocab,
-        HAS_CE_GRAD=grad_ce is not None, HAS_COLUMN_GRAD=grad_columns is not None,
-        BLOCK=_block(local_vocab), LANES=_column_lanes(num_columns), num_warps=NUM_WARPS,
-    )  # fmt: skip
+    largest, warps = launch_config(logits.device, "backward")
+    with on_device(logits):
+        _backward_kernel[(num_rows,)](
+            logits, logits.stride(0), grad_logits, grad_logits.stride(0), targets, log_sum_exp,
+            ce_arg, ce_arg.stride(0), columns_arg, columns_arg.stride(0), columns_arg.stride(1),
+            column_ids, num_columns, vocab_start, local_vocab,
+            HAS_CE_GRAD=grad_ce is not None, HAS_COLUMN_GRAD=grad_columns is not None,
+            BLOCK=_block(local_vocab, largest), LANES=_column_lanes(num_columns), num_warps=warps,
+        )  # fmt: skip
     return grad_logits

@@ -249,6 +249,9 @@ class _PositionStats(torch.autograd.Function):
         payload: torch.Tensor | None,
         kernel_choice: str,
     ):
+        # Outputs without a gradient (row_max, the payload; the columns when NTIL is off) get None in the
+        # backward instead of zero tensors: no fills, and the kernels skip the work (HAS_*_GRAD).
+        ctx.set_materialize_grads(False)
         kernel = kernel_wanted(logits, kernel_choice)
         ctx.kernel, ctx.vocab_start = kernel, vocab_start
         if process_group is None:

@@ -67,8 +67,9 @@ def test_cuda_matches_float64_cpu(backend, dtype, rtol, atol):
     torch.testing.assert_close(grad.double().cpu(), reference_grad, rtol=rtol, atol=atol)
 
 
-def test_forward_and_backward_never_sync_with_the_host(backend):
-    loss_fn = NTILLoss(DIGITS, kernel=backend)  # noise on: the Gumbel draw must not sync either
+@pytest.mark.parametrize("number_stage", ["auto", "eager"])
+def test_forward_and_backward_never_sync_with_the_host(backend, number_stage):
+    loss_fn = NTILLoss(DIGITS, kernel=backend, number_stage=number_stage)  # noise on: the draw must not sync
     logits, labels = random_batch()
     logits = logits.float().cuda().requires_grad_(True)
     labels = labels.cuda()
@@ -91,10 +92,11 @@ def test_kernel_is_the_automatic_choice_on_cuda():
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_matches_torch_path_on_cuda_across_block_edges(dtype):
-    """V = 40,000 spans three 16384-wide blocks, the last one partial; digits sit on the block edges."""
+    """V = 40,000 spans three 16384-wide forward blocks (two 32768-wide backward ones on sm_80/90/100), the
+    last one partial; digits sit on the block edges."""
     from ntil_ds.loss import vocab_kernel
 
-    edge = vocab_kernel.MAX_BLOCK
+    edge = vocab_kernel.launch_config(torch.device("cuda"), "forward")[0]  # the backward's is 1 or 2 edges
     digits = [edge - 1, edge, 0, 2 * edge - 1, 2 * edge, 39_999, 5, edge + 1, 2 * edge + 1, 100]
     generator = torch.Generator().manual_seed(3)
     labels = torch.randint(0, 40_000, (3, 64), generator=generator)
@@ -152,3 +154,77 @@ def test_compiled_number_stage_matches_eager_on_cuda():
         for part in PARTS:
             torch.testing.assert_close(getattr(out, part), getattr(expected, part), rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(grad, expected_grad, rtol=1e-5, atol=1e-7)
+
+
+def packed_rows(samples, row_length):
+    """unpack_index [S, longest] of samples (lists of lengths per row) laid into rows of row_length."""
+    starts = []
+    for row, lengths in enumerate(samples):
+        offsets = [sum(lengths[:i]) for i in range(len(lengths))]
+        starts += [
+            (row * row_length + offset, length) for offset, length in zip(offsets, lengths, strict=True)
+        ]
+    longest = max(length for _, length in starts)
+    return torch.tensor(
+        [[start + i if i < length else -1 for i in range(longest)] for start, length in starts]
+    )
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
+def test_triton_number_stage_matches_eager_on_cuda():
+    """number_stage="triton" (the default on CUDA) against the torch stage on CUDA: paper mode with noise,
+    decimal + signed numbers, packed rows; values and gradients."""
+    options = {"decimal_numbers": True, "decimal_point_id": 5, "signed_numbers": True, "minus_sign_id": 6}
+    unpack_index = packed_rows([[40, 50], [96], [10, 30, 20]], row_length=96).cuda()
+    for name, kwargs, call in [
+        ("paper", {}, {}),
+        ("options", options, {}),
+        ("packed", {}, {"unpack_index": unpack_index}),
+    ]:
+        logits, labels = random_batch(3, 96, 40, seed=4)
+        labels[:, ::9] = 5
+        labels[:, 4::11] = 6
+        logits, labels = logits.float().cuda(), labels.cuda()
+        results = {}
+        for stage in ("eager", "triton"):
+            leaf = logits.detach().clone().requires_grad_()
+            generator = torch.Generator(device="cuda").manual_seed(2)
+            out = NTILLoss(DIGITS, number_stage=stage, **kwargs)(leaf, labels, generator=generator, **call)
+            out.loss.backward()
+            results[stage] = (out, leaf.grad)
+        (out, grad), (expected, expected_grad) = results["triton"], results["eager"]
+        for part in PARTS:
+            torch.testing.assert_close(
+                getattr(out, part), getattr(expected, part), rtol=1e-5, atol=1e-6, msg=name
+            )
+        torch.testing.assert_close(grad, expected_grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_default_loss_is_bitwise_deterministic_and_within_60_launches_on_cuda(dtype):
+    """Two calls with the same noise give the same bits (no atomics anywhere); one call is <= 60 GPU
+    activities (kernels, memsets, copies under torch.profiler), the CPU count's bound."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    loss_fn = NTILLoss(DIGITS, signed_numbers=True, minus_sign_id=6)
+    logits, labels = random_batch(8, 512, 1003, seed=5)
+    logits, labels = logits.to(dtype).cuda(), labels.cuda()
+    runs = []
+    for _ in range(2):
+        leaf = logits.detach().clone().requires_grad_()
+        out = loss_fn(leaf, labels, generator=torch.Generator(device="cuda").manual_seed(3))
+        out.loss.backward()
+        runs.append((out, leaf.grad))
+    for part in PARTS:
+        assert torch.equal(getattr(runs[0][0], part), getattr(runs[1][0], part)), part
+    assert torch.equal(runs[0][1], runs[1][1])
+    leaf = logits.detach().clone().requires_grad_()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        loss_fn(leaf, labels).loss.backward()
+        torch.cuda.synchronize()
+    launches = sum(1 for event in prof.events() if event.device_type == DeviceType.CUDA)
+    print(f"{launches} GPU activities per forward + backward ({dtype})")
+    assert launches <= 60
