@@ -24,12 +24,12 @@ $(VENV)/.installed: pyproject.toml constraints/cpu.txt
 
 setup: $(VENV)/.installed
 
-# Debian packages the SLURM tests need (a real one-node cluster is started by the tests; shellcheck
-# lints slurm/*.sh).
+# Debian packages the SLURM tests need (real clusters are started by the tests: one node, and three
+# nodes in network namespaces made with iproute2's `ip netns`; shellcheck lints slurm/*.sh).
 system-deps:
-	@if command -v slurmctld >/dev/null && command -v munged >/dev/null && command -v shellcheck >/dev/null; then :; \
-	elif [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge shellcheck >/dev/null; \
-	else echo "note: slurm-wlm/munge not installed and not root: SLURM tests will be skipped"; fi
+	@if command -v slurmctld >/dev/null && command -v munged >/dev/null && command -v shellcheck >/dev/null && command -v ip >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge shellcheck iproute2 >/dev/null; \
+	else echo "note: slurm-wlm/munge/iproute2 not installed and not root: SLURM tests will be skipped"; fi
 
 demo: setup
 	$(PY) launch/quickstart.py
