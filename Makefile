@@ -25,13 +25,13 @@ $(VENV)/.installed: pyproject.toml constraints/cpu.txt
 
 setup: $(VENV)/.installed
 
-# Debian packages the SLURM tests need (a real one-node cluster is started by the tests; shellcheck
-# lints slurm/*.sh) and chromium (a headless browser opens a run in the MLflow UI,
-# tests/distributed/test_tracking_trainer.py).
+# Debian packages the tests need: SLURM (real clusters are started by the tests: one node, and three
+# nodes in network namespaces made with iproute2's `ip netns`; shellcheck lints slurm/*.sh) and chromium
+# (a headless browser opens a run in the MLflow UI, tests/distributed/test_tracking_trainer.py).
 system-deps:
-	@if command -v slurmctld >/dev/null && command -v munged >/dev/null && command -v shellcheck >/dev/null && command -v chromium >/dev/null; then :; \
-	elif [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge shellcheck chromium >/dev/null; \
-	else echo "note: slurm-wlm/munge/shellcheck/chromium not installed and not root: SLURM and browser tests will be skipped"; fi
+	@if command -v slurmctld >/dev/null && command -v munged >/dev/null && command -v shellcheck >/dev/null && command -v ip >/dev/null && command -v chromium >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge shellcheck iproute2 chromium >/dev/null; \
+	else echo "note: slurm-wlm/munge/shellcheck/iproute2/chromium not installed and not root: SLURM and browser tests will be skipped"; fi
 
 # What `make container-test` needs: buildah and debootstrap (Debian packages), as root.
 container-deps:

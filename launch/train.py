@@ -6,7 +6,7 @@
         --config configs/train/tiny_qwen2vl_clock.yaml          # the tiny CPU demo
 
 Exit codes: 0 done; 85 (EXIT_PREEMPTED) checkpointed after a preemption request, requeue me;
-2 bad config or data; 1 anything else (a non-finite loss included).
+2 bad config or data; 1 anything else (a non-finite loss, a lost peer included).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import os
 import sys
 
 from ntil_ds.config import ConfigError
-from ntil_ds.dist import DistInfo, exit_process
+from ntil_ds.dist import DistInfo, exit_process, is_communication_error, is_timeout, unanswering_ranks
 from ntil_ds.ds_config import resolve_run
 from ntil_ds.preemption import EXIT_PREEMPTED, PreemptionWatcher
 
@@ -34,7 +34,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def report(dist_info: DistInfo, kind: str, error: Exception) -> None:
+def report(dist_info: DistInfo, kind: str, error: Exception | str) -> None:
     """Every rank prints the reason it stops: the launcher kills the other ranks as soon as one exits,
     so a message left to rank 0 alone can be lost when another rank is faster."""
     print(f"[rank {dist_info.rank}] {kind}: {error}", file=sys.stderr, flush=True)
@@ -78,6 +78,13 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CONFIG_ERROR
     except (NonFiniteLossError, CheckpointWriteError) as e:
         report(dist_info, "error", e)
+        return 1
+    except RuntimeError as e:
+        if not is_communication_error(e):
+            raise
+        report(dist_info, "lost contact with other ranks", e)
+        if is_timeout(e):  # a peer that cannot be reached: say which, not only "timed out" (docs/slurm.md)
+            report(dist_info, "ranks that do not answer", unanswering_ranks())
         return 1
     finally:
         watcher.close()

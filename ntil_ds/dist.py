@@ -6,8 +6,9 @@
   :func:`broadcast_from_main`, :func:`all_reduce_sums` (device values: a dict of named sums in one
   all-reduce, never a tensor read back by position), :func:`all_reduce_host_sums` and :func:`any_rank`
   (values the host knows already, reduced on a CPU group: they never wait for the device),
-  :func:`leave_process_group`. Without an initialized process group each answers for this process
-  alone, so one code path serves 1 and N processes.
+  :func:`leave_process_group`, :func:`unanswering_ranks` (after a lost peer). Without an initialized
+  process group each answers for this process alone, so one code path serves 1 and N processes.
+- :func:`is_communication_error`, :func:`is_timeout`: what a failed collective raised.
 - :func:`read_to_host`: the one way device values reach the host (a sync point, named so it can be
   counted).
 - :func:`exit_process`: how a rank's process ends.
@@ -22,10 +23,13 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, NoReturn
 
 import torch
@@ -239,6 +243,74 @@ def leave_process_group() -> None:
     if _grouped():
         dist.barrier()
         dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------------------------------
+# A lost peer (a dead node, a cut link): a collective that fails, or never completes until the process
+# group's timeout (engine.init_distributed sets one for every group: DEEPSPEED_TIMEOUT minutes).
+
+# How long rank 0 waits for the other ranks to answer after a collective timed out (unanswering_ranks).
+PEER_CHECK_TIMEOUT = timedelta(seconds=20)
+_peer_check_group: list[Any] = []  # [the group] once made (make_peer_check_group)
+
+
+def is_communication_error(error: BaseException) -> bool:
+    """A collective failed: a peer died (connection closed) or did not answer within the process-group
+    timeout. NCCL raises DistError; gloo plain RuntimeErrors, known by their text."""
+    text = str(error)
+    return isinstance(error, dist.DistError) or any(
+        marker in text for marker in ("gloo/transport", "pair closure", "by peer")
+    )
+
+
+def is_timeout(error: BaseException) -> bool:
+    """A collective gave up waiting ("Timed out waiting 600000ms for recv", or "Application timeout caused
+    pair closure" on a rank whose group another rank's timeout closed): unlike a closed connection
+    ("Connection reset by peer [10.1.2.3]:port") it does not say which peer was lost."""
+    return re.search(r"timed? ?out", str(error), flags=re.IGNORECASE) is not None
+
+
+def make_peer_check_group() -> None:
+    """COLLECTIVE, once, right after the process group starts (``engine.init_distributed``): a gloo group
+    kept only for :func:`unanswering_ranks`.
+
+    A collective that timed out closes its group's connections ("Application timeout caused pair
+    closure"), so the roll call needs a group of its own whose connections were made while all was well.
+    """
+    if _grouped() and not _peer_check_group:
+        _peer_check_group.append(dist.new_group(backend="gloo"))
+
+
+def unanswering_ranks(timeout: timedelta = PEER_CHECK_TIMEOUT) -> str:
+    """COLLECTIVE (on the peer-check group), after a timed-out collective: on rank 0, the ranks that do
+    not answer within ``timeout``, in one line; on the others, whether rank 0 was reached.
+
+    A roll call: each rank sends rank 0 one number; rank 0 waits for all of them until ``timeout`` has
+    passed. The ranks still alive get there within moments of each other, as their collectives all waited
+    for the same lost peer with the same timeout. (torch's monitored_barrier does the same but keeps
+    every rank waiting for rank 0's answer, and waits ``timeout`` per missing rank to name them all.)
+    """
+    if not _peer_check_group or not _grouped():
+        return "not checked (no peer-check group: engine.init_distributed makes it)"
+    group = _peer_check_group[0]
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if rank != 0:
+        try:  # a blocking send to an unreachable rank 0 would wait the whole process-group timeout
+            dist.isend(torch.zeros(1), dst=0, group=group).wait(timeout)
+        except RuntimeError:
+            return f"could not reach rank 0 within {timeout.total_seconds():.0f} s"
+        return "answered rank 0's roll call (rank 0 names the ranks that did not)"
+    deadline = time.monotonic() + timeout.total_seconds()
+    calls = {peer: dist.irecv(torch.zeros(1), src=peer, group=group) for peer in range(1, world)}
+    missing = []
+    for peer, call in calls.items():
+        try:
+            call.wait(timedelta(seconds=max(deadline - time.monotonic(), 0.01)))
+        except RuntimeError:
+            missing.append(peer)
+    if not missing:
+        return "every rank answered"
+    return f"ranks {', '.join(map(str, missing))} of {world} did not answer within {timeout.total_seconds():.0f} s"
 
 
 def exit_process(code: int) -> NoReturn:

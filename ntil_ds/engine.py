@@ -16,10 +16,18 @@ import deepspeed
 import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
+from deepspeed.constants import default_pg_timeout
 from deepspeed.utils import groups as deepspeed_groups
 
 from ntil_ds.config import Config, ConfigError
-from ntil_ds.dist import DistInfo, any_rank, check_parallel_layout, launcher_env_defaults, make_host_group
+from ntil_ds.dist import (
+    DistInfo,
+    any_rank,
+    check_parallel_layout,
+    launcher_env_defaults,
+    make_host_group,
+    make_peer_check_group,
+)
 
 
 def lr_ratio(step: int, *, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
@@ -46,8 +54,18 @@ def init_distributed() -> None:
     """
     # Without torchrun/deepspeed (python launch/train.py) DeepSpeed would try MPI discovery (mpi4py).
     os.environ.update(launcher_env_defaults(os.environ))
-    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
-    make_host_group()  # every rank, at the same point: counts and flags are reduced without the device
+    # One timeout for every collective: DeepSpeed's (DEEPSPEED_TIMEOUT minutes, default 10; slurm/train.sh
+    # sets it) bounds how long a rank waits for a lost peer. torch gives the groups made later (the host
+    # and peer-check groups below, DeepSpeed's ZeRO and tensor-parallel groups) its own default instead
+    # (30 min on gloo, 10 on NCCL), so its defaults are set to DeepSpeed's as well.
+    dist.distributed_c10d.default_pg_timeout = default_pg_timeout
+    dist.distributed_c10d.default_pg_nccl_timeout = default_pg_timeout
+    deepspeed.init_distributed(
+        dist_backend=get_accelerator().communication_backend_name(), timeout=default_pg_timeout
+    )
+    # Every rank, at the same point (both are collectives):
+    make_host_group()  # counts and flags are reduced without the device
+    make_peer_check_group()  # to name the ranks a timed-out collective waited for (launch/train.py)
 
 
 def device_for(local_rank: int) -> torch.device:

@@ -8,8 +8,15 @@
 # (torchrun reports any worker failure as 1), and the batch script needs to see 85 (EXIT_PREEMPTED in
 # ntil_ds/preemption.py) to requeue the job. It also kills a node's other ranks as soon as one dies.
 #
+# The exit code 85 must reach the batch script, but not through srun: srun --kill-on-bad-exit reads it
+# as a failure and kills the nodes still on their way out with the same 85 (their tasks then end
+# "Terminated" and srun returns 143, not 85). So this script writes the launcher's exit code to
+# $NTIL_NODE_EXIT_DIR/node<SLURM_NODEID> and, for 85 once that file is written, exits 0; train.sh reads
+# node 0's file (node 0 is the batch host) and requeues on 85.
+#
 # Environment (exported by slurm/train.sh): NTIL_NODES (the job's hosts, in SLURM node order),
-# NPROC_PER_NODE, MASTER_ADDR, MASTER_PORT; SLURM_NODEID and SLURM_JOB_ID come from srun.
+# NPROC_PER_NODE, MASTER_ADDR, MASTER_PORT, NTIL_NODE_EXIT_DIR (optional); SLURM_NODEID and
+# SLURM_JOB_ID come from srun.
 # Arguments: the training script and its arguments. DRY_RUN=1 prints the command instead of running it.
 set -euo pipefail
 
@@ -49,4 +56,12 @@ fi
 
 printf '%s' "$hostfile_text" >"$hostfile"
 echo "[launch_node] $(hostname -s) node_rank=${SLURM_NODEID}: ${cmd[*]}"
-exec "${cmd[@]}"
+rc=0
+"${cmd[@]}" || rc=$?
+EXIT_PREEMPTED=85 # ntil_ds/preemption.py
+if [[ -n "${NTIL_NODE_EXIT_DIR:-}" ]] && mkdir -p "$NTIL_NODE_EXIT_DIR" &&
+    echo "$rc" >"$NTIL_NODE_EXIT_DIR/node${SLURM_NODEID}" && ((rc == EXIT_PREEMPTED)); then
+    echo "[launch_node] $(hostname -s) node_rank=${SLURM_NODEID}: ranks checkpointed (exit $rc)"
+    exit 0
+fi
+exit "$rc"

@@ -42,7 +42,9 @@
 #   CONTAINER_IMAGE=IMAGE     run each node's launcher in this image (empty: the submitting environment)
 #   CONTAINER_RUNTIME=pyxis|apptainer   [pyxis: srun --container-image; apptainer: apptainer exec]
 #   CONTAINER_MOUNTS=SRC:DST[,...]      [$NTIL_REPO:$NTIL_REPO]
+#   DEEPSPEED_TIMEOUT=MIN     how long a rank waits in a collective for a peer before it fails [10]
 #   NCCL_* / TORCH_NCCL_*     exported as set; defaults below
+#   NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME   the network the ranks talk over (NCCL / gloo on CPU)
 #   DRY_RUN=1                 print the srun line and each node's command, start nothing
 set -euo pipefail
 
@@ -124,7 +126,14 @@ export PYTHONPATH="$NTIL_REPO${PYTHONPATH:+:$PYTHONPATH}"
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
 export NCCL_IB_TIMEOUT=${NCCL_IB_TIMEOUT:-22}
+# A lost peer (dead node, cut link) shows up as a collective that never completes. Every process group
+# of the trainer waits at most this long (minutes), then the ranks fail and rank 0 names the ranks that
+# no longer answer (launch/train.py). Longer than anything one rank does while the others wait at a
+# collective (a checkpoint save, rank 0's export), shorter than the hours a hang would burn.
+export DEEPSPEED_TIMEOUT=${DEEPSPEED_TIMEOUT:-10}
 export NTIL_PREEMPT_FLAG=${NTIL_PREEMPT_FLAG:-$NTIL_REPO/.slurm/preempt.$SLURM_JOB_ID}
+# Each node's launch_node.sh leaves its launchers' exit code here (node 0's is on this host).
+export NTIL_NODE_EXIT_DIR=${NTIL_NODE_EXIT_DIR:-$NTIL_PREEMPT_FLAG.exit}
 
 train_args=("$TRAIN_SCRIPT" --config "$recipe" "${overrides[@]}")
 if ((restart_count > 0)); then
@@ -162,8 +171,9 @@ fi
 # ---- run, with preemption ----------------------------------------------------------------------------
 EXIT_PREEMPTED=85 # ntil_ds/preemption.py
 mkdir -p "$(dirname "$NTIL_PREEMPT_FLAG")"
-# A flag left by the run before a requeue must not stop this one at its first step.
-rm -f "$NTIL_PREEMPT_FLAG"
+# A flag left by the run before a requeue must not stop this one at its first step; nor may its exit codes
+# be read as this run's.
+rm -rf "$NTIL_PREEMPT_FLAG" "$NTIL_NODE_EXIT_DIR"
 
 signalled=0 # a trap ran while we were waiting for srun
 terminated=0
@@ -184,9 +194,12 @@ on_term() {
 }
 trap on_usr1 USR1
 trap on_term TERM
-trap 'rm -f "$NTIL_PREEMPT_FLAG"' EXIT
+trap 'rm -rf "$NTIL_PREEMPT_FLAG" "$NTIL_NODE_EXIT_DIR"' EXIT
 
 log "job ${SLURM_JOB_ID} start $((restart_count + 1)): ${#nodes[@]} node(s) [${NTIL_NODES}] x ${NPROC_PER_NODE} processes, rank 0 on ${MASTER_ADDR}:${MASTER_PORT}"
+for i in "${!nodes[@]}"; do # node-major (launch_node.sh): what an error naming a rank refers to
+    log "node $i ${nodes[$i]}: ranks $((i * NPROC_PER_NODE))-$(((i + 1) * NPROC_PER_NODE - 1))"
+done
 log "srun ${srun_args[*]} ${node_cmd[*]}"
 # srun in the background: bash runs a trap only when the foreground command ends, and `wait` returns
 # as soon as a trapped signal arrives.
@@ -199,6 +212,11 @@ while true; do
     # Interrupted by a trap: srun is still running (or its status is kept for the next wait).
     ((signalled)) || break
 done
+# launch_node.sh turns the launchers' 85 into 0 for srun (see there); node 0's file holds the real code.
+node0_exit=$(cat "$NTIL_NODE_EXIT_DIR/node0" 2>/dev/null || true)
+if ((rc == 0)) && [[ "$node0_exit" == "$EXIT_PREEMPTED" ]]; then
+    rc=$EXIT_PREEMPTED
+fi
 
 if ((rc == EXIT_PREEMPTED)); then
     if ((terminated)); then

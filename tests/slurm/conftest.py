@@ -1,4 +1,5 @@
-"""Fixtures for the SLURM tests: one real local cluster for the whole session."""
+"""Fixtures for the SLURM tests: real local clusters (one node; three nodes in network namespaces), each
+started once for the whole session."""
 
 from __future__ import annotations
 
@@ -7,14 +8,19 @@ import shutil
 
 import pytest
 
-from tests.slurm.cluster import LocalSlurmCluster, missing_binaries
+from tests.slurm.cluster import (
+    LocalSlurmCluster,
+    NamespaceSlurmCluster,
+    missing_binaries,
+    namespaces_unavailable,
+)
 
 
-def _unavailable(reason: str) -> None:
+def _unavailable(reason: str, fix: str = "`make system-deps` installs slurm-wlm and munge") -> None:
     # CI (.ci/run) sets NTIL_REQUIRE_SLURM=1: there a missing SLURM is a failure, not a skip.
     if os.environ.get("NTIL_REQUIRE_SLURM"):
-        pytest.fail(f"{reason} (NTIL_REQUIRE_SLURM is set; `make system-deps` installs slurm-wlm and munge)")
-    pytest.skip(f"{reason} (`make system-deps` installs slurm-wlm and munge)")
+        pytest.fail(f"{reason} (NTIL_REQUIRE_SLURM is set; {fix})")
+    pytest.skip(f"{reason} ({fix})")
 
 
 @pytest.fixture(scope="session")
@@ -40,6 +46,25 @@ def slurm_cluster(slurm_binaries, tmp_path_factory) -> LocalSlurmCluster:
     if os.geteuid() != 0:
         _unavailable("the local SLURM cluster needs root (slurmd launches jobs as their user)")
     cluster = LocalSlurmCluster(tmp_path_factory.mktemp("slurm-cluster"))
+    try:
+        cluster.start()
+    except BaseException:
+        cluster.stop()
+        raise
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def netns_cluster(slurm_binaries, tmp_path_factory) -> NamespaceSlurmCluster:
+    """Nodes n1, n2, n3, each slurmd in a network namespace of its own (tests/slurm/cluster.py)."""
+    problem = namespaces_unavailable()
+    if problem:
+        _unavailable(
+            f"the multi-node SLURM cluster cannot be made: {problem}",
+            "run as root; `make system-deps` installs iproute2, slurm-wlm and munge",
+        )
+    cluster = NamespaceSlurmCluster(tmp_path_factory.mktemp("slurm-netns"), num_nodes=3)
     try:
         cluster.start()
     except BaseException:

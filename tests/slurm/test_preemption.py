@@ -69,10 +69,12 @@ def test_exit_code_is_distinct_from_common_failures_and_agrees_with_the_batch_sc
     # shells and SLURM report), and anything a byte cannot hold.
     not_preempted = {0, 1, 2, 126, 127} | {128 + s for s in range(1, 65)}
     assert EXIT_PREEMPTED not in not_preempted and 0 < EXIT_PREEMPTED < 256
-    # slurm/train.sh requeues on its own copy of the code (a shell script cannot import Python).
-    script = (REPO_ROOT / "slurm" / "train.sh").read_text()
-    assigned = re.findall(r"^EXIT_PREEMPTED=(\d+)", script, flags=re.MULTILINE)
-    assert assigned == [str(EXIT_PREEMPTED)], assigned
+    # slurm/train.sh requeues on its own copy of the code (a shell script cannot import Python), which
+    # slurm/launch_node.sh hands over past srun.
+    for name in ("train.sh", "launch_node.sh"):
+        script = (REPO_ROOT / "slurm" / name).read_text()
+        assigned = re.findall(r"^EXIT_PREEMPTED=(\d+)", script, flags=re.MULTILINE)
+        assert assigned == [str(EXIT_PREEMPTED)], (name, assigned)
 
 
 def _stop_step(watcher: PreemptionWatcher, request_at: dict[str, int], rank: int, flag: Path) -> int | None:
