@@ -49,10 +49,17 @@ class PoisonedLoss:
         self.loss_fn, self.grad_accum, self.where = loss_fn, grad_accum, where
         self.poisoned_call = (step - 1) * grad_accum + 1 if rank == this_rank else -1
         self.calls = 0
-        self.digit_token_ids = loss_fn.digit_token_ids
 
-    def __call__(self, *args, **kwargs):
-        out = self.loss_fn(*args, **kwargs)
+    def __getattr__(self, name: str):  # everything else is the real loss's
+        return getattr(self.loss_fn, name)
+
+    def __call__(self, *args, **kwargs):  # on whole logits (loss.logits=all)
+        return self._poisoned(self.loss_fn(*args, **kwargs))
+
+    def from_position_stats(self, *args, **kwargs):  # after the labelled head (the default)
+        return self._poisoned(self.loss_fn.from_position_stats(*args, **kwargs))
+
+    def _poisoned(self, out):
         if self.calls == self.poisoned_call and self.where == "gradient":
             out = dataclasses.replace(out, loss_sum=NanBackward.apply(out.loss_sum))
         elif self.calls == self.poisoned_call:
