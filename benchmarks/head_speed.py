@@ -102,7 +102,7 @@ def run_once(path: str, hidden, weight, labels, loss_fn, chunk_rows) -> None:
     else:
         rows = (labels.flatten() != IGNORE_INDEX).nonzero().squeeze(1)
         targets, noise, payload = row_inputs(loss_fn, labels, rows, hidden.dtype, generator, False)
-        column_ids = torch.tensor(loss_fn.column_ids, device=hidden.device)
+        column_ids = loss_fn.column_ids_on(hidden.device)
         head = OutputHead(weight)
         stats = row_stats(hidden, head, rows, targets, column_ids, None, payload, loss_fn.kernel, chunk_rows)
         out = loss_from_rows(loss_fn, labels, rows, stats, noise, None)

@@ -80,7 +80,7 @@ def head_returns_row_stats(
 ) -> Iterator[None]:
     """Within: the head module's forward returns the row statistics of ``rows`` (flat positions of the
     ``[B, T]`` hidden states) instead of logits; the model's own softcapping is off (the head applies it)."""
-    column_ids = torch.tensor(loss_fn.column_ids, dtype=torch.long, device=rows.device)
+    column_ids = loss_fn.column_ids_on(rows.device)
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
         row_delta = (head.rows, head.delta) if isinstance(head, NumberRowsHead) else None
@@ -157,7 +157,7 @@ def loss_from_rows(
 ) -> NTILOutput:
     """The loss from the head module's output ``[1, R, 2 + C (+ P)]`` (see the module docstring)."""
     stats = row_stats[0]
-    num_columns = len(loss_fn.column_ids)
+    num_columns = loss_fn.column_ids_on(labels.device).numel()
     num_positions = labels.numel()
 
     def at_positions(values: torch.Tensor, fill: float = 0.0) -> torch.Tensor:

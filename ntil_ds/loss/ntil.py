@@ -289,7 +289,7 @@ class NTILLoss:
         ce, columns, row_max, received = position_stats(
             logits.reshape(batch * length, local_vocab),
             targets,
-            self._device_constants(logits.device)[1],
+            self.column_ids_on(logits.device),
             vocab_start=vocab_start,
             process_group=process_group,
             payload=None if process_group is None else noise,
@@ -299,10 +299,10 @@ class NTILLoss:
             noise = received
         return self.from_position_stats(labels, ce, columns, row_max, noise, unpack_index)
 
-    @property
-    def column_ids(self) -> list[int]:
-        """The token ids whose logits stage 2 reads: the ten digits, then the minus sign in signed mode."""
-        return list(self._column_ids)
+    def column_ids_on(self, device: torch.device) -> torch.Tensor:
+        """The token ids whose logits stage 2 reads (the ten digits, then the minus sign in signed mode),
+        the int64 tensor on ``device`` that stage 1 gathers (made once per device: no copy per call)."""
+        return self._device_constants(device)[1]
 
     def position_targets_and_noise(
         self, labels: torch.Tensor, dtype: torch.dtype, generator: torch.Generator | None

@@ -184,7 +184,7 @@ def _run_labelled_case(rank, world, group, *, vocab, options, seed, hidden_size=
     rows = (labels.flatten() != -100).nonzero().squeeze(1)
     noise_source = torch.Generator().manual_seed(1234 if rank == 0 else 99 + rank)
     targets, noise, payload = row_inputs(loss_fn, labels, rows, torch.float32, noise_source, True)
-    column_ids = torch.tensor(loss_fn.column_ids)
+    column_ids = loss_fn.column_ids_on(torch.device("cpu"))
     shard = VocabShard(group, start, stop)
     stats = row_stats(
         local_hidden, OutputHead(local_weight), rows, targets, column_ids, shard, payload, "torch"
