@@ -102,9 +102,12 @@ def _forward_kernel(
 
     # The target logit and the K column logits first: issued before the streaming loop, their latency
     # overlaps it (after the loop a long row has left L2 and they would be extra DRAM round trips).
+    # A row without a label is not read (its loss is 0 and nothing downstream reads its stats): no
+    # column loads, an empty vocabulary loop, and the contract's fill values stored (see the end).
     # Target logit: 0 where this rank does not own the label.
     target = tl.load(targets_ptr + row)
     valid = target >= 0
+    row_vocab = tl.where(valid, local_vocab, 0)
     owned = valid & (target >= vocab_start) & (target < vocab_start + local_vocab)
     local_target = tl.where(owned, target - vocab_start, 0)
     target_logit = tl.load(row_ptr + local_target, mask=owned, other=0.0).to(tl.float32)
@@ -113,7 +116,7 @@ def _forward_kernel(
     # The K gathered columns as one padded vector; columns of other shards read as 0.
     lanes = tl.arange(0, LANES)
     column_ids = tl.load(column_ids_ptr + lanes, mask=lanes < num_columns, other=-1)
-    is_local = (column_ids >= vocab_start) & (column_ids < vocab_start + local_vocab)
+    is_local = valid & (column_ids >= vocab_start) & (column_ids < vocab_start + local_vocab)
     local_columns = tl.where(is_local, column_ids - vocab_start, 0)
     column_logits = tl.load(row_ptr + local_columns, mask=is_local, other=0.0).to(tl.float32)
     column_logits = tl.where(is_local, column_logits, 0.0)
@@ -121,7 +124,7 @@ def _forward_kernel(
     # Online max / sum of exp over the row, block by block; the sum is rescaled when the max grows.
     running_max = float("-inf")
     running_sum = 0.0
-    for start in range(0, local_vocab, BLOCK):
+    for start in range(0, row_vocab, BLOCK):
         cols = start + offsets
         x = tl.load(row_ptr + cols, mask=cols < local_vocab, other=float("-inf")).to(tl.float32)
         new_max = tl.maximum(running_max, tl.max(x, axis=0))
@@ -129,8 +132,10 @@ def _forward_kernel(
         running_max = new_max
 
     out_row = columns_ptr + row * columns_stride
-    tl.store(max_ptr + row, running_max)
     if FINALIZE:
+        # Unlabelled: row max +inf (no column reaches it: the position never reads as a minus sign),
+        # CE 0, columns 0, log-sum-exp -inf (never read: the backward skips the row too).
+        tl.store(max_ptr + row, tl.where(valid, running_max, float("inf")))
         log_sum_exp = running_max + tl.log(running_sum)
         ce = tl.where(valid, log_sum_exp - target_logit, 0.0)
         # A valid label outside the vocabulary: NaN instead of an error (an error would need a host sync).
@@ -139,6 +144,8 @@ def _forward_kernel(
         tl.store(lse_ptr + row, log_sum_exp)
         tl.store(out_row + lanes, column_logits, mask=lanes < num_columns)
     else:
+        # Unlabelled: max 0 and every part 0, so the reduction stays finite (vocab_stats fills the rest).
+        tl.store(max_ptr + row, tl.where(valid, running_max, 0.0))
         # The SUM all-reduce's layout: sum of exp (relative to this rank's max), target logit, owned
         # flag, then the K columns (see vocab_stats).
         tl.store(out_row, running_sum)
@@ -178,18 +185,19 @@ def _backward_kernel(
     valid = target >= 0
     owned = valid & (target >= vocab_start) & (target < vocab_start + local_vocab)
     local_target = tl.where(owned, target - vocab_start, -1)
-    log_sum_exp = tl.load(lse_ptr + row)
+    log_sum_exp = tl.load(lse_ptr + row, mask=valid, other=0.0)  # not formed for an unlabelled row
     # Unlabelled rows have a constant CE of 0: whatever flows into them stops here.
     grad_ce = 0.0
     if HAS_CE_GRAD:
         grad_ce = tl.load(grad_ce_ptr + row * grad_ce_stride).to(tl.float32)
     grad_ce = tl.where(valid, grad_ce, 0.0)
 
+    # An unlabelled row gets zeros without a read of its logits.
     for start in range(0, local_vocab, BLOCK):
         cols = start + offsets
         in_row = cols < local_vocab
-        x = tl.load(row_ptr + cols, mask=in_row, other=0.0).to(tl.float32)
-        grad = tl.exp(x - log_sum_exp) * grad_ce
+        x = tl.load(row_ptr + cols, mask=in_row & valid, other=0.0).to(tl.float32)
+        grad = tl.where(valid, tl.exp(x - log_sum_exp) * grad_ce, 0.0)
         grad = grad - tl.where(cols == local_target, grad_ce, 0.0)
         tl.store(grad_row_ptr + cols, grad.to(grad_ptr.dtype.element_ty), mask=in_row)
 
@@ -200,7 +208,8 @@ def _backward_kernel(
         lanes = tl.arange(0, LANES)
         in_lanes = lanes < num_columns
         column_ids = tl.load(column_ids_ptr + lanes, mask=in_lanes, other=-1)
-        is_local = in_lanes & (column_ids >= vocab_start) & (column_ids < vocab_start + local_vocab)
+        # Unlabelled rows: the columns are constant 0 there (forward), so no gradient flows in.
+        is_local = valid & in_lanes & (column_ids >= vocab_start) & (column_ids < vocab_start + local_vocab)
         local_columns = tl.where(is_local, column_ids - vocab_start, 0)
         grad_columns = tl.load(
             grad_columns_ptr + row * grad_columns_stride_row + lanes * grad_columns_stride_col,

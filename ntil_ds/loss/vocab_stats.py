@@ -1,7 +1,9 @@
 """Stage 1 of the loss: the only part that touches the vocabulary dimension.
 
-For every position it returns the cross-entropy `lse - z[target]` and the logits of a few fixed
-columns (the ten digits, and the minus sign when signed numbers are on). The same code runs on the
+For every position with a label it returns the cross-entropy `lse - z[target]` and the logits of a few
+fixed columns (the ten digits, and the minus sign when signed numbers are on); positions without one
+get fixed fills (`unlabelled_rows_filled`), and the Triton kernels skip their rows (no read, zeros
+written to their gradient), as Liger's cross-entropy does. The same code runs on the
 full vocabulary (`process_group=None`) or on one rank's vocabulary shard, in which case the ranks
 exchange O(positions) numbers, never logits.
 
@@ -158,8 +160,7 @@ def reduce_rows(
         packed = torch.cat([packed, payload.to(packed.dtype).reshape(packed.shape[0], -1)], dim=1)
     if process_group is not None:
         dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=process_group)
-    ce, columns, log_sum_exp, payload_out = _finish_rows(packed, row_max, targets >= 0, num_columns, payload)
-    return ce, columns, row_max, log_sum_exp, payload_out
+    return _finish_rows(packed, row_max, targets >= 0, num_columns, payload)
 
 
 def full_row_stats(
@@ -205,8 +206,8 @@ def logits_gradient(
     grad_logits = torch.empty_like(logits)
     same_dtype = logits.dtype == dtype
     target_grad = -(grad_ce * owned)
-    if grad_columns is not None:  # columns of other shards add 0 at their clamped index
-        grad_columns = torch.where(column_is_local, grad_columns.to(dtype), 0.0)
+    if grad_columns is not None:  # columns of other shards (and of unlabelled rows: constant) add 0
+        grad_columns = torch.where(column_is_local & valid[:, None], grad_columns.to(dtype), 0.0)
     for start, stop in _row_tiles(num_rows, local_vocab, logits.device):
         # softmax * dCE, computed in fp32, straight into the gradient when it is fp32.
         out = grad_logits[start:stop] if same_dtype else None
@@ -278,8 +279,8 @@ class _PositionStats(torch.autograd.Function):
 
 def _finish_rows(
     packed: torch.Tensor, row_max: torch.Tensor, valid: torch.Tensor, num_columns: int, payload
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """ce, columns, log-sum-exp and payload from the reduced SUM buffer (both implementations)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """ce, columns, row max, log-sum-exp and payload from the reduced SUM buffer (both implementations)."""
     sum_exp, target_logit, owned_anywhere = packed[:, 0], packed[:, 1], packed[:, 2]
     columns = packed[:, 3 : 3 + num_columns].contiguous()
     payload_out = packed[:, 3 + num_columns :].contiguous() if payload is not None else None
@@ -289,7 +290,19 @@ def _finish_rows(
     # overlap (wrong vocab_start). NaN makes either visible: raising would need a host sync.
     ce = torch.where(valid, log_sum_exp - target_logit, 0.0)
     ce = torch.where(valid & ((owned_anywhere - 1.0).abs() > 0.5), float("nan"), ce)
-    return ce, columns, log_sum_exp, payload_out
+    columns, row_max = unlabelled_rows_filled(valid, columns, row_max)
+    return ce, columns, row_max, log_sum_exp, payload_out
+
+
+def unlabelled_rows_filled(
+    valid: torch.Tensor, columns: torch.Tensor, row_max: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The contract at rows without a label, whichever path computed them (the kernels do not read those
+    rows, the labelled head never forms them): columns 0, row max +inf (no column reaches it, so the
+    position never reads as a minus sign)."""
+    columns = torch.where(valid[:, None], columns, 0.0)
+    row_max = torch.where(valid, row_max, float("inf"))
+    return columns, row_max
 
 
 def position_stats(
@@ -318,8 +331,9 @@ def position_stats(
 
     Returns:
         ce `[N]` in `compute_dtype` (0 where unlabelled, NaN where the label is outside the
-        vocabulary), column logits `[N, K]` (differentiable), the global row max `[N]` (no gradient), and
-        the payload as received (or None).
+        vocabulary), column logits `[N, K]` (differentiable; 0 where unlabelled), the global row max `[N]`
+        (no gradient; +inf where unlabelled), and the payload as received (or None). An unlabelled row's
+        logits get gradient 0; the Triton kernels do not read them at all.
     """
     if payload is not None and process_group is not None and dist.get_rank(process_group) != 0:
         payload = torch.zeros_like(payload)

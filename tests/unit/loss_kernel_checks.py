@@ -226,6 +226,41 @@ def check_position_stats_outputs_repeated_columns_and_partial_gradients():
     assert torch.equal(results["triton"][3], payload)
 
 
+def check_unlabelled_rows_are_not_read_and_get_the_contracts_fills():
+    """Rows without a label: NaN logits there reach no output of the kernels (had a row been read, its
+    max, log-sum-exp and gradient would be NaN); the fills are the contract's, equal on the torch path
+    (which computes those rows on finite logits and fills them), full vocabulary and one shard."""
+    from ntil_ds.loss.vocab_stats import position_stats
+
+    kernel = kernel_module()
+    generator = torch.Generator().manual_seed(6)
+    logits = torch.randn(7, VOCAB, generator=generator) * 4
+    targets = torch.tensor([3, -100, 127, -1, 1002, 640, -100])
+    unlabelled = targets < 0
+    column_ids = torch.tensor(EDGE_DIGITS)
+    grad_ce, grad_columns = torch.randn(7, generator=generator), torch.randn(7, 10, generator=generator)
+    poisoned = logits.clone()
+    poisoned[unlabelled] = float("nan")
+
+    ce, columns, row_max, log_sum_exp = kernel.forward_full(poisoned, targets, column_ids)
+    assert torch.all(ce[unlabelled] == 0) and torch.all(columns[unlabelled] == 0)
+    assert torch.all(row_max[unlabelled] == float("inf")) and torch.all(log_sum_exp[unlabelled] == float("-inf"))
+    grad = kernel.backward(poisoned, targets, log_sum_exp, column_ids, 0, grad_ce, grad_columns)
+    assert torch.all(grad[unlabelled] == 0) and torch.isfinite(grad).all()
+    local_max, packed = kernel.forward_partials(poisoned[:, 500:], targets, column_ids, 500, 3 + 10)
+    assert torch.all(local_max[unlabelled] == 0) and torch.all(packed[unlabelled] == 0)
+
+    results = {}
+    for name, values in (("torch", logits), ("triton", poisoned)):
+        leaf = values.detach().clone().requires_grad_()
+        ce, columns, row_max, _ = position_stats(leaf, targets, column_ids, kernel=name)
+        (grad,) = torch.autograd.grad((ce, columns), leaf, (grad_ce, grad_columns))
+        results[name] = (ce, columns, row_max, grad)
+    for name, got, expected in zip(("ce", "columns", "row_max", "grad"), *results.values(), strict=True):
+        torch.testing.assert_close(got, expected, rtol=2e-6, atol=1e-6, msg=name)
+    assert torch.all(results["torch"][2][unlabelled] == float("inf"))
+
+
 def check_kernels_are_interpreted():
     """The kernels were defined under the interpreter (the wrappers' CPU check asks them; CPU tensors
     without the interpreter are refused: test_loss_kernel.py checks that in pytest's own process)."""
