@@ -244,7 +244,9 @@ def check_unlabelled_rows_are_not_read_and_get_the_contracts_fills():
 
     ce, columns, row_max, log_sum_exp = kernel.forward_full(poisoned, targets, column_ids)
     assert torch.all(ce[unlabelled] == 0) and torch.all(columns[unlabelled] == 0)
-    assert torch.all(row_max[unlabelled] == float("inf")) and torch.all(log_sum_exp[unlabelled] == float("-inf"))
+    assert torch.all(row_max[unlabelled] == float("inf")) and torch.all(
+        log_sum_exp[unlabelled] == float("-inf")
+    )
     grad = kernel.backward(poisoned, targets, log_sum_exp, column_ids, 0, grad_ce, grad_columns)
     assert torch.all(grad[unlabelled] == 0) and torch.isfinite(grad).all()
     local_max, packed = kernel.forward_partials(poisoned[:, 500:], targets, column_ids, 500, 3 + 10)
