@@ -1,4 +1,6 @@
-"""Loss normalization parity: 1 process with the whole batch == 2 ranks x 2 micro-batches.
+"""Loss normalization parity: 1 process with the whole batch == 2 ranks x 2 micro-batches, on ZeRO-3 and
+ZeRO-2 (full fine-tuning: every step's loss and grad norm, the exported weights; ZeRO-2 also resumed
+from its step-1 checkpoint to the same step 2 and export).
 
 The trainer divides the step's summed loss by the step's global labelled-token count and undoes
 DeepSpeed's division by gradient_accumulation_steps and its averaging over data-parallel ranks. If any
@@ -13,6 +15,9 @@ blind to a wrong gradient scale; with eps=1 it is ~lr * g, so the weights check 
 """
 
 from __future__ import annotations
+
+import json
+import shutil
 
 import pytest
 import torch
@@ -39,7 +44,14 @@ def pretrained_tiny_model(tmp_path_factory):
     return root, folder, data_file
 
 
-def one_step(root, model_dir, data_file, name: str, nproc: int, micro_batch_size: int, logits: str) -> dict:
+STEPS = 2
+ZERO2 = "configs/deepspeed/zero2.json"  # the tiny recipe's own is zero3.json
+
+
+def run_steps(
+    root, model_dir, data_file, name: str, nproc: int, micro_batch_size: int, logits: str, **extra: object
+) -> dict:
+    """STEPS steps of one job; its per-step metrics and exported weights."""
     out = root / name
     overrides = {
         "output_dir": out,
@@ -57,33 +69,75 @@ def one_step(root, model_dir, data_file, name: str, nproc: int, micro_batch_size
         "optim.eps": 1.0,
         "optim.grad_clip": 0.0,  # clipping would normalize the very scale under test
         "optim.warmup_steps": 0,
-        "train.max_steps": 1,
+        "train.max_steps": STEPS,
         "train.micro_batch_size": micro_batch_size,
         "train.global_batch_size": 4,
         "train.save_every": 0,
         "train.export_at_end": "true",
         "tracking.enabled": "false",
+        **extra,
     }
     result = run_training(overrides, nproc=nproc)
     assert result.returncode == 0, result.stdout[-6000:]
-    return {"metrics": train_metrics(out)[1], "weights": load_file(out / "export" / "model.safetensors")}
+    return {
+        "metrics": train_metrics(out),
+        "weights": load_file(out / "export" / "model.safetensors"),
+        "log": result.stdout,
+        "out": out,
+    }
+
+
+def assert_same_training(run: dict, reference: dict, initial: dict) -> None:
+    """Every step's labelled tokens, loss and grad norm, and every exported weight, as the reference's."""
+    for step in range(1, STEPS + 1):
+        got, want = run["metrics"][step], reference["metrics"][step]
+        assert got["labelled_tokens"] == want["labelled_tokens"], step
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-6), step
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5), step
+    assert run["weights"].keys() == initial.keys()  # the export uses the checkpoint's own names
+    for name, expected in reference["weights"].items():
+        torch.testing.assert_close(run["weights"][name], expected, rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.fixture(scope="module")
+def one_process_reference(pretrained_tiny_model):
+    """The whole batch in one process, the logits everywhere (loss.logits=all)."""
+    root, model_dir, data_file = pretrained_tiny_model
+    return run_steps(root, model_dir, data_file, "single", nproc=1, micro_batch_size=4, logits="all")
 
 
 @pytest.mark.timeout(1200)
-def test_two_ranks_two_micro_batches_equal_one_process_full_batch(pretrained_tiny_model):
+def test_two_ranks_two_micro_batches_equal_one_process_full_batch(
+    pretrained_tiny_model, one_process_reference
+):
     root, model_dir, data_file = pretrained_tiny_model
     initial = load_file(model_dir / "model.safetensors")
-    # The reference asks the model for its logits everywhere; the split run has the head only where the
-    # targets are (the default): so this also pins the labelled head under ZeRO-3 to the full logits.
-    single = one_step(root, model_dir, data_file, "single", nproc=1, micro_batch_size=4, logits="all")
-    split = one_step(root, model_dir, data_file, "split", nproc=2, micro_batch_size=1, logits="labelled")
+    # The split run has the head only where the targets are (the default): so this also pins the labelled
+    # head under ZeRO-3 to the full logits.
+    split = run_steps(root, model_dir, data_file, "split", nproc=2, micro_batch_size=1, logits="labelled")
+    assert_same_training(split, one_process_reference, initial)
+    moved = sum(not torch.equal(w, initial[name]) for name, w in one_process_reference["weights"].items())
+    assert moved > len(initial) // 2  # the steps did update the weights compared
 
-    assert split["metrics"]["labelled_tokens"] == single["metrics"]["labelled_tokens"]
-    assert split["metrics"]["loss"] == pytest.approx(single["metrics"]["loss"], rel=1e-6)
-    assert split["metrics"]["grad_norm"] == pytest.approx(single["metrics"]["grad_norm"], rel=1e-5)
-    assert single["weights"].keys() == initial.keys()  # the export uses the checkpoint's own names
-    moved = 0
-    for name, reference in single["weights"].items():
-        torch.testing.assert_close(split["weights"][name], reference, rtol=1e-5, atol=1e-7, msg=name)
-        moved += int(not torch.equal(reference, initial[name]))
-    assert moved > len(initial) // 2  # the step did update the weights it compares
+
+@pytest.mark.timeout(1200)
+def test_full_fine_tuning_on_zero2_equals_one_process_and_resumes_to_the_same_export(
+    pretrained_tiny_model, one_process_reference
+):
+    root, model_dir, data_file = pretrained_tiny_model
+    initial = load_file(model_dir / "model.safetensors")
+    options = {"deepspeed": ZERO2, "train.save_every": 1}
+    zero2 = run_steps(
+        root, model_dir, data_file, "zero2", nproc=2, micro_batch_size=1, logits="labelled", **options
+    )
+    assert json.loads((zero2["out"] / "deepspeed.json").read_text())["zero_optimization"]["stage"] == 2
+    assert_same_training(zero2, one_process_reference, initial)
+
+    # Resume: the step-2 checkpoint and the export gone, the job continues from step 1 (resume=auto).
+    shutil.rmtree(zero2["out"] / "checkpoints" / f"step_{STEPS:08d}")
+    shutil.rmtree(zero2["out"] / "export")
+    resumed = run_steps(
+        root, model_dir, data_file, "zero2", nproc=2, micro_batch_size=1, logits="labelled", **options
+    )
+    assert "resumed from" in resumed["log"] and "step_00000001" in resumed["log"], resumed["log"][-3000:]
+    assert_same_training(resumed, zero2, initial)
