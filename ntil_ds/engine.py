@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 import os
 import resource
+from collections.abc import Mapping
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +48,25 @@ def lr_ratio(step: int, *, warmup_steps: int, max_steps: int, min_lr_ratio: floa
 # Process group
 
 
+COLLECTIVE_TIMEOUT_ENV = "NTIL_COLLECTIVE_TIMEOUT_S"
+
+
+def collective_timeout(environ: Mapping[str, str]) -> timedelta:
+    """How long a rank waits in a collective for a peer: DeepSpeed's ``DEEPSPEED_TIMEOUT`` (whole minutes,
+    default 30; slurm/train.sh sets 10), or ``NTIL_COLLECTIVE_TIMEOUT_S`` seconds where a minute is too
+    coarse (a job that should fail fast on a lost node; the test cluster)."""
+    value = environ.get(COLLECTIVE_TIMEOUT_ENV, "").strip()
+    if not value:
+        return default_pg_timeout
+    seconds = int(value) if value.isdigit() else 0
+    if seconds <= 0:
+        raise ConfigError(
+            f"{COLLECTIVE_TIMEOUT_ENV}={value!r}: expected a whole number of seconds > 0 (how long a rank "
+            "waits in a collective for a peer), or unset it to use DEEPSPEED_TIMEOUT (minutes)"
+        )
+    return timedelta(seconds=seconds)
+
+
 def init_distributed() -> None:
     """Join the process group the launcher set up; without a launcher, a group of one. Idempotent.
 
@@ -54,15 +75,14 @@ def init_distributed() -> None:
     """
     # Without torchrun/deepspeed (python launch/train.py) DeepSpeed would try MPI discovery (mpi4py).
     os.environ.update(launcher_env_defaults(os.environ))
-    # One timeout for every collective: DeepSpeed's (DEEPSPEED_TIMEOUT minutes, default 10; slurm/train.sh
-    # sets it) bounds how long a rank waits for a lost peer. torch gives the groups made later (the host
-    # and peer-check groups below, DeepSpeed's ZeRO and tensor-parallel groups) its own default instead
-    # (30 min on gloo, 10 on NCCL), so its defaults are set to DeepSpeed's as well.
-    dist.distributed_c10d.default_pg_timeout = default_pg_timeout
-    dist.distributed_c10d.default_pg_nccl_timeout = default_pg_timeout
-    deepspeed.init_distributed(
-        dist_backend=get_accelerator().communication_backend_name(), timeout=default_pg_timeout
-    )
+    # One timeout for every collective (collective_timeout) bounds how long a rank waits for a lost peer.
+    # torch gives the groups made later (the host and peer-check groups below, DeepSpeed's ZeRO and
+    # tensor-parallel groups) its own default instead (30 min on gloo, 10 on NCCL), so its defaults are
+    # set to the same value.
+    timeout = collective_timeout(os.environ)
+    dist.distributed_c10d.default_pg_timeout = timeout
+    dist.distributed_c10d.default_pg_nccl_timeout = timeout
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), timeout=timeout)
     # Every rank, at the same point (both are collectives):
     make_host_group()  # counts and flags are reduced without the device
     make_peer_check_group()  # to name the ranks a timed-out collective waited for (launch/train.py)

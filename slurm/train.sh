@@ -43,6 +43,7 @@
 #   CONTAINER_RUNTIME=pyxis|apptainer   [pyxis: srun --container-image; apptainer: apptainer exec]
 #   CONTAINER_MOUNTS=SRC:DST[,...]      [$NTIL_REPO:$NTIL_REPO]
 #   DEEPSPEED_TIMEOUT=MIN     how long a rank waits in a collective for a peer before it fails [10]
+#   NTIL_COLLECTIVE_TIMEOUT_S=S  the same in seconds (wins over DEEPSPEED_TIMEOUT) [unset]
 #   NCCL_* / TORCH_NCCL_*     exported as set; defaults below
 #   NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME   the network the ranks talk over (NCCL / gloo on CPU)
 #   DRY_RUN=1                 print the srun line and each node's command, start nothing

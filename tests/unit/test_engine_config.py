@@ -8,7 +8,7 @@ import pytest
 
 from ntil_ds.config import ConfigError, load_config
 from ntil_ds.ds_config import load_deepspeed_json, merge_deepspeed_config, tensor_parallel_size
-from ntil_ds.engine import lr_ratio
+from ntil_ds.engine import COLLECTIVE_TIMEOUT_ENV, collective_timeout, lr_ratio
 
 ZERO3 = {"zero_optimization": {"stage": 3, "overlap_comm": False}, "steps_per_print": 1000}
 
@@ -137,3 +137,15 @@ def test_lr_schedule_warmup_then_cosine_to_the_floor():
     no_warmup = {"warmup_steps": 0, "max_steps": 10, "min_lr_ratio": 0.0}
     assert lr_ratio(0, **no_warmup) == 1.0
     assert lr_ratio(5, **no_warmup) == pytest.approx(0.5 * (1 + math.cos(math.pi * 0.5)))
+
+
+def test_collective_timeout_is_deepspeeds_minutes_or_the_seconds_asked_for():
+    from datetime import timedelta
+
+    from deepspeed.constants import default_pg_timeout
+
+    assert collective_timeout({}) == default_pg_timeout  # DEEPSPEED_TIMEOUT's minutes, read by DeepSpeed
+    assert collective_timeout({COLLECTIVE_TIMEOUT_ENV: " 45 "}) == timedelta(seconds=45)
+    for bad in ("0", "-3", "1.5", "10m"):
+        with pytest.raises(ConfigError, match=f"{COLLECTIVE_TIMEOUT_ENV}=.*whole number of seconds"):
+            collective_timeout({COLLECTIVE_TIMEOUT_ENV: bad})
