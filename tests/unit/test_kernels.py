@@ -20,39 +20,63 @@ import pytest
 import torch
 
 from ntil_ds.config import ConfigError
-from ntil_ds.model.kernels import ROTARY_MODULES, apply_kernels, language_model, require_kernels
+from ntil_ds.model.kernels import (
+    ROTARY_MODULES,
+    apply_kernels,
+    check_kernels,
+    language_model,
+    require_kernels,
+)
 from ntil_ds.tiny import build_tiny_model_folder
 from tests.conftest import REPO_ROOT
 
 pytest.importorskip("liger_kernel")
 
 
-def _tiny_model(kind: str, root):
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+@pytest.fixture(autouse=True)
+def original_rotary(monkeypatch) -> dict[str, object]:
+    """The rotary patch sets a module-level function for the whole process: every test here gets the
+    originals back afterwards (so no other test runs on a patched transformers). Returns them by module."""
+    originals = {}
+    for name in set(ROTARY_MODULES.values()):
+        module = importlib.import_module(name)
+        originals[name] = module.apply_rotary_pos_emb
+        monkeypatch.setattr(module, "apply_rotary_pos_emb", module.apply_rotary_pos_emb)
+    return originals
 
-    folder = build_tiny_model_folder(kind, root / kind)
-    auto = AutoModelForCausalLM if kind == "qwen2" else AutoModelForImageTextToText
+
+def _tiny_model(kind: str, root, **text_overrides):
+    """A real tiny model of ``kind`` from ntil_ds/tiny's config (random weights); "llama" (no tiny folder:
+    no recipe trains a bare Llama) from the same text sizes as the others."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, LlamaConfig
+
+    if kind == "llama":
+        config = LlamaConfig(
+            **AutoConfig.from_pretrained(build_tiny_model_folder("qwen2", root / kind)).to_dict()
+        )
+        config.model_type = "llama"
+    else:
+        config = AutoConfig.from_pretrained(build_tiny_model_folder(kind, root / kind))
+    for key, value in text_overrides.items():
+        setattr(config.get_text_config(), key, value)
+    auto = AutoModelForCausalLM if kind in ("qwen2", "llama") else AutoModelForImageTextToText
     torch.manual_seed(0)
-    return auto.from_config(AutoConfig.from_pretrained(folder), dtype=torch.float32)
+    return auto.from_config(config, dtype=torch.float32)
 
 
-@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2_5_vl", "llava", "qwen2"])
-def test_liger_patches_norms_mlps_and_rotary(kind, tmp_path, monkeypatch):
+@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2_5_vl", "llava", "qwen2", "llama"])
+def test_liger_patches_norms_mlps_and_rotary(kind, tmp_path):
     from liger_kernel.transformers.rms_norm import LigerRMSNorm
     from liger_kernel.transformers.rope import liger_rotary_pos_emb
     from liger_kernel.transformers.swiglu import LigerSwiGLUMLP
 
     model = _tiny_model(kind, tmp_path)
+    assert model.config.model_type == kind
     # The function the model's own attention calls: a global name looked up when its forward runs, in the
     # module that defines the forward (found from the model, not from the code's ROTARY_MODULES map).
     attention_forward = inspect.unwrap(type(language_model(model).layers[0].self_attn).forward)
     assert "apply_rotary_pos_emb" in attention_forward.__code__.co_names
     attention_globals = attention_forward.__globals__
-    # the rotary patch is process-wide: put the originals back after the test (also in the module the
-    # map names, should that be another one)
-    mapped = ROTARY_MODULES[model.config.model_type]
-    for module in {importlib.import_module(name) for name in (attention_globals["__name__"], mapped)}:
-        monkeypatch.setattr(module, "apply_rotary_pos_emb", module.apply_rotary_pos_emb)
     lm = language_model(model)
     norms = [m for m in lm.modules() if type(m).__name__.endswith("RMSNorm")]
     mlps = [m for m in lm.modules() if type(m).__name__.endswith("MLP")]
@@ -61,7 +85,7 @@ def test_liger_patches_norms_mlps_and_rotary(kind, tmp_path, monkeypatch):
     counts = apply_kernels(model, "liger")
 
     layers = model.config.get_text_config().num_hidden_layers
-    assert counts == {"rms_norm": 2 * layers + 1, "swiglu_mlp": layers, "rotary": 1}
+    assert counts == {"rms_norm": 2 * layers + 1, "swiglu_mlp": layers, "rotary": layers}
     assert len(norms) == 2 * layers + 1 and len(mlps) == layers
     for norm in norms:
         assert norm.forward.__func__ is LigerRMSNorm.forward and norm._get_name() == "LigerRMSNorm"
@@ -72,8 +96,95 @@ def test_liger_patches_norms_mlps_and_rotary(kind, tmp_path, monkeypatch):
     outside = [
         m for n, m in model.named_modules() if m._get_name().startswith("Liger") and "language_model" not in n
     ]
-    assert kind == "qwen2" or not outside
+    assert kind in ("qwen2", "llama") or not outside
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def test_rotary_patch_is_restored_after_each_test():
+    """The autouse fixture gave the previous tests' patched modules their own function back."""
+    from liger_kernel.transformers.rope import liger_rotary_pos_emb
+
+    for name in set(ROTARY_MODULES.values()):
+        assert importlib.import_module(name).apply_rotary_pos_emb is not liger_rotary_pos_emb, name
+
+
+def _undo(model, patch: str, original_rotary) -> None:
+    """Take one part of Liger's patch back off a patched model (what a transformers version on which
+    that part finds nothing leaves): one norm's forward, every MLP's forward, or the rotary function."""
+    lm = language_model(model)
+    if patch == "rms_norm":
+        norm = next(m for m in lm.modules() if type(m).__name__.endswith("RMSNorm"))
+        del norm.__dict__["forward"]  # Liger binds its forward on the instance: the class's is back
+    elif patch == "swiglu_mlp":
+        for mlp in (m for m in lm.modules() if type(m).__name__.endswith("MLP")):
+            del mlp.__dict__["forward"]
+    else:
+        name = ROTARY_MODULES[model.config.model_type]
+        importlib.import_module(name).apply_rotary_pos_emb = original_rotary[name]
+
+
+@pytest.mark.parametrize(
+    ("patch", "found"), [("rms_norm", "4 modules"), ("swiglu_mlp", "0 modules"), ("rotary", "0 modules")]
+)
+def test_a_patch_that_did_not_take_is_a_config_error_naming_it(patch, found, tmp_path, original_rotary):
+    """check_kernels on a real patched Qwen2-VL with one part of the patch undone: the error names that
+    patch, what it reached against the config's count (2 layers: 5 norms, 2 MLPs, 2 attentions), the
+    family, the transformers version and the fix."""
+    import transformers
+
+    model = _tiny_model("qwen2_vl", tmp_path)
+    apply_kernels(model, "liger")
+    check_kernels(model)  # the complete patch passes
+    _undo(model, patch, original_rotary)
+    expected = {"rms_norm": 5, "swiglu_mlp": 2, "rotary": 2}[patch]
+    with pytest.raises(ConfigError) as error:
+        check_kernels(model)
+    message = str(error.value)
+    assert f"the {patch} patch reaches {found} of the qwen2_vl language model" in message
+    assert f"its config implies {expected}, on transformers {transformers.__version__}" in message
+    assert message.endswith("set model.kernels=none")
+    if patch == "rotary":
+        assert "reads it from transformers.models.qwen2_vl.modeling_qwen2_vl.apply_rotary_pos_emb" in message
+
+
+def test_llava_on_a_qwen2_language_model_is_refused_for_its_rotary(tmp_path):
+    """A real case the map does not cover: LLaVA (model_type llava) with a Qwen2 language model, as
+    LLaVA-Interleave ships. Its norms and MLPs take the patch, but the rotary one is set in Llama's module
+    while Qwen2's attention reads Qwen2's: before the check that trained silently without the kernel."""
+    from transformers import AutoConfig, LlavaForConditionalGeneration, Qwen2Config
+
+    config = AutoConfig.from_pretrained(build_tiny_model_folder("llava", tmp_path / "llava"))
+    text = config.text_config.to_dict()
+    text["model_type"] = "qwen2"
+    config.text_config = Qwen2Config(**text)
+    model = LlavaForConditionalGeneration(config)
+    assert type(language_model(model)).__name__ == "Qwen2Model"
+    with pytest.raises(ConfigError) as error:
+        apply_kernels(model, "liger")
+    message = str(error.value)
+    assert "the rotary patch reaches 0 modules of the llava language model (qwen2)" in message
+    assert "reads it from transformers.models.qwen2.modeling_qwen2.apply_rotary_pos_emb" in message
+    assert "set it in transformers.models.llama.modeling_llama" in message
+
+
+def test_renamed_norm_class_is_refused(tmp_path):
+    """A transformers version that names the final norm's class differently (not ...RMSNorm): the patch
+    finds 4 of the 5 norms, and the run stops at start instead of training with one unfused norm."""
+    model = _tiny_model("qwen2", tmp_path)
+    final = language_model(model).norm
+    final.__class__ = type("Qwen2FinalNorm", (type(final),), {})  # same module, another class name
+    with pytest.raises(ConfigError, match=r"the rms_norm patch reaches 4 modules .* implies 5"):
+        apply_kernels(model, "liger")
+
+
+def test_gelu_mlp_is_left_alone_and_passes(tmp_path):
+    """hidden_act gelu: the MLP is no SwiGLU, so none is patched and the config expects none."""
+    from liger_kernel.transformers.swiglu import LigerSwiGLUMLP
+
+    model = _tiny_model("qwen2", tmp_path, hidden_act="gelu")
+    counts = apply_kernels(model, "liger")
+    assert counts == {"rms_norm": 5, "swiglu_mlp": 0, "rotary": 2}
+    assert all(layer.mlp.forward.__func__ is not LigerSwiGLUMLP.forward for layer in model.model.layers)
 
 
 def test_without_liger_kernel_installed_is_a_clear_error(monkeypatch):

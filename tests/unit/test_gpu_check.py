@@ -1,0 +1,114 @@
+"""benchmarks/gpu_check.sh on this CPU machine: every CUDA step is skipped with its reason, the summary
+is written, the exit status is 0; carried wheels are installed (and a broken one fails the run).
+
+What only a GPU can show (the steps themselves passing within their budgets) is not checked here: the
+script runs those commands as documented in docs/loss.md and README.md.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import time
+import zipfile
+
+import pytest
+
+from tests.conftest import REPO_ROOT
+
+SCRIPT = REPO_ROOT / "benchmarks" / "gpu_check.sh"
+CUDA_STEPS = ("gpu_tests", "loss_table", "head_table", "step_2b")
+
+no_cuda_path = pytest.mark.skipif(
+    shutil.which("nvidia-smi") is not None, reason="checks the no-CUDA path: this machine has nvidia-smi"
+)
+
+
+def _run(out, *args, timeout=60):
+    env = {"PATH": "/usr/bin:/bin", "OUT": str(out), "PYTHON": sys.executable, "HOME": str(out)}
+    started = time.perf_counter()
+    result = subprocess.run(
+        ["bash", str(SCRIPT), *map(str, args)],
+        cwd=out,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,  # a hang guard, not a speed check
+    )
+    return result, time.perf_counter() - started
+
+
+def _summary(out) -> dict[str, list[str]]:
+    lines = (out / "summary.txt").read_text().splitlines()
+    return {
+        fields[0]: fields[1:] for fields in (line.split("\t") for line in lines if not line.startswith("#"))
+    }
+
+
+@no_cuda_path
+def test_without_cuda_every_gpu_step_is_skipped_with_its_reason(tmp_path):
+    result, seconds = _run(tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    reason = "no CUDA device (nvidia-smi not found)"
+    for step in CUDA_STEPS:
+        assert f"SKIP {step}: {reason}" in result.stdout
+    assert "SKIP setup: no wheel folder given" in result.stdout
+    summary = _summary(tmp_path)
+    assert list(summary) == ["setup", *CUDA_STEPS]
+    for step in CUDA_STEPS:
+        status, _, budget, detail = summary[step]
+        assert status == "skipped" and detail == reason and int(budget) > 0
+    # the per-step budgets add up to the documented total, under 8 minutes with the kill grace
+    assert sum(int(fields[2]) for fields in summary.values()) == 425
+    print(f"gpu_check.sh without CUDA: {seconds:.2f} s")
+
+
+def _wheel(folder, name: str, module_source: str, broken: bool = False):
+    """A minimal pure-Python wheel, as `pip wheel` writes one (no hashes in RECORD: pip accepts that)."""
+    dist = f"{name}-0.1.dist-info"
+    path = folder / f"{name}-0.1-py3-none-any.whl"
+    files = {
+        f"{name}_mod.py": module_source,
+        f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n",
+        f"{dist}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    if broken:
+        del files[f"{dist}/METADATA"]  # pip refuses a wheel without metadata
+    files[f"{dist}/RECORD"] = "".join(f"{f},,\n" for f in files) + f"{dist}/RECORD,,\n"
+    with zipfile.ZipFile(path, "w") as archive:
+        for file, text in files.items():
+            archive.writestr(file, text)
+    return path
+
+
+@no_cuda_path
+def test_carried_wheels_are_installed_and_a_broken_one_fails_the_run(tmp_path):
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    _wheel(wheels, "ntil_probe", "VALUE = 1\n")
+    out = tmp_path / "ok"
+    out.mkdir()
+    result, _ = _run(out, wheels)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert _summary(out)["setup"][0] == "passed"
+    assert (out / "installed.txt").read_text().split() == ["ntil_probe-0.1.dist-info"]
+
+    _wheel(wheels, "ntil_broken", "", broken=True)
+    out = tmp_path / "broken"
+    out.mkdir()
+    result, _ = _run(out, wheels)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert _summary(out)["setup"][0].startswith("failed (exit")
+    assert (out / "setup.log").read_text().strip()  # pip's error is kept
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    result, _ = _run(out, empty)
+    assert result.returncode == 1 and f"no *.whl in the wheel folder {empty}" in result.stderr
+
+
+@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck is not installed")
+def test_shellcheck_is_clean():
+    result = subprocess.run(["shellcheck", str(SCRIPT)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
