@@ -33,7 +33,10 @@ class ModelConfig:
     kind: Literal["auto", "mllm", "llm"] = "auto"
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
     # "auto": flash_attention_2 when flash-attn is importable (and CUDA is there), else sdpa.
-    attn_implementation: Literal["auto", "flash_attention_2", "sdpa", "eager"] = "auto"
+    # "flex_attention" (CUDA only: torch 2.13 has no FlexAttention backward on CPU; not the Qwen-VL
+    # classes of transformers 5.24): a BlockMask of the packed documents instead of sdpa's dense mask.
+    # Not auto's choice until a GPU has measured it (python -m benchmarks.attention_speed --device cuda).
+    attn_implementation: Literal["auto", "flash_attention_2", "flex_attention", "sdpa", "eager"] = "auto"
     gradient_checkpointing: bool = False
     freeze_vision_tower: bool = False
     freeze_projector: bool = False

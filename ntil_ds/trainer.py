@@ -336,7 +336,8 @@ class Trainer:
             return self.collator
         rope_fn = rope_fn_for(self.loaded.model)  # raises for model types packing is not verified on
         # flash-attention's varlen kernel: one row, no padding. sdpa/eager build a block-diagonal mask,
-        # quadratic in the row length: rows no longer than the longest sample.
+        # quadratic in the row length (flex_attention's BlockMask is not, but it is measured on these rows):
+        # rows no longer than the longest sample.
         flash = self.loaded.attn_implementation == "flash_attention_2"
         return PackedCollator(
             self.processor,

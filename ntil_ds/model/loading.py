@@ -45,11 +45,21 @@ class LoadedModel:
 
 def resolve_attn_implementation(requested: str, device: torch.device | None = None) -> str:
     """``auto`` -> flash_attention_2 when flash-attn is importable and the model trains on a CUDA device
-    (``device``; None: wherever CUDA is available), else sdpa."""
+    (``device``; None: wherever CUDA is available), else sdpa.
+
+    Not flex_attention without flash-attn: on CPU it cannot train (no backward in torch 2.13) and compiles
+    for ~10-30 s, the Qwen-VL classes of transformers 5.24 do not support it, and on CUDA no GPU has
+    measured it against sdpa yet (``python -m benchmarks.attention_speed --device cuda``; docs/training.md).
+    """
     on_cuda = device.type == "cuda" if device is not None else torch.cuda.is_available()
     flash_ok = importlib.util.find_spec("flash_attn") is not None and on_cuda
     if requested == "auto":
         return "flash_attention_2" if flash_ok else "sdpa"
+    if requested == "flex_attention" and not on_cuda:
+        raise ConfigError(
+            "model.attn_implementation=flex_attention needs a CUDA GPU: torch's FlexAttention has no backward "
+            "on CPU; set model.attn_implementation=auto (sdpa) to train on CPU"
+        )
     if requested == "flash_attention_2" and not flash_ok:
         raise ConfigError(
             "model.attn_implementation=flash_attention_2 needs the flash-attn package and a CUDA GPU; "

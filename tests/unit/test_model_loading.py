@@ -50,6 +50,8 @@ def test_attention_choice_without_flash_attn():
         assert resolve_attn_implementation("auto") == "sdpa"
         with pytest.raises(ConfigError, match="flash-attn"):
             resolve_attn_implementation("flash_attention_2")
+    with pytest.raises(ConfigError, match="flex_attention needs a CUDA GPU"):
+        resolve_attn_implementation("flex_attention", torch.device("cpu"))
 
 
 @pytest.mark.parametrize("kind", ["qwen2_vl", "llava", "qwen3_vl", "gemma3", "internvl", "smolvlm"])
