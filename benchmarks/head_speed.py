@@ -37,7 +37,7 @@ from ntil_ds.loss import NTILLoss
 from ntil_ds.loss.labelled_head import OutputHead
 
 DIGIT_IDS = list(range(100, 110))
-CPU_CASES = {"hidden": (256,), "vocab": (32000,), "positions": (1024, 4096), "dtypes": ("float32",)}
+CPU_CASES = {"hidden": (256,), "vocab": (32000,), "positions": (1024, 4096, 16384), "dtypes": ("float32",)}
 CUDA_CASES = {
     "hidden": (1536, 3584),
     "vocab": (151936,),

@@ -20,7 +20,15 @@ import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ntil_ds.comparison.results import RunResult, change_vs, score_curves, slug, summarize, table_markdown
+from ntil_ds.comparison.results import (
+    RunResult,
+    change_error,
+    change_vs,
+    score_curves,
+    slug,
+    summarize,
+    table_markdown,
+)
 from ntil_ds.config import ConfigError, load_config, redact_uri
 from ntil_ds.data.synthetic import write_dataset
 from ntil_ds.evaluation.generate import score_exported_model, task_of, write_report
@@ -240,6 +248,9 @@ class Comparison:
             "summary": summary,
             "change_vs_baseline": {
                 label: change_vs(summary, label, baseline, plan.metrics[0]) for label in summary
+            },
+            "change_vs_baseline_error": {  # the standard error of each change (table.md's "± s.e.")
+                label: change_error(summary, label, baseline, plan.metrics[0]) for label in summary
             },
             "curves": score_curves(runs, plan.metrics),  # scores while training, per seed
             "complete": len(runs) == len(plan.specs) * len(plan.seeds),

@@ -89,7 +89,31 @@ def change_vs(summary: dict, label: str, baseline: str, metric: str) -> float | 
     return this["mean"] / base["mean"] - 1
 
 
+def change_error(summary: dict, label: str, baseline: str, metric: str) -> float | None:
+    """The standard error of that change: of the difference of the two means (independent seeds), over
+    the baseline's mean; None without two runs on each side."""
+    base, this = summary.get(baseline, {}).get(metric), summary.get(label, {}).get(metric)
+    if not base or not this or base["mean"] == 0 or min(base["n"], this["n"]) < 2:
+        return None
+    return math.sqrt(this["std"] ** 2 / this["n"] + base["std"] ** 2 / base["n"]) / abs(base["mean"])
+
+
+def seeds_better_than(
+    runs: list[RunResult], label: str, baseline_mean: float, metric: str
+) -> tuple[int, int]:
+    """(how many of ``label``'s runs beat the baseline's mean on ``metric``, how many have a value)."""
+    values = [
+        v
+        for r in runs
+        if r.label == label and r.status == "ok" and isinstance(v := _value(r, metric), float | int)
+    ]
+    better = sum(v > baseline_mean if metric in HIGHER_IS_BETTER else v < baseline_mean for v in values)
+    return better, len(values)
+
+
 def table_markdown(runs: list[RunResult], summary: dict, metrics: tuple[str, ...], baseline: str) -> str:
+    """Mean +- sample std per loss; the primary metric's change against the baseline +- its standard
+    error, and how many seeds beat the baseline's mean (the project's bar: every one of them)."""
     primary = metrics[0]
     columns = [*metrics, *EXTRA_COLUMNS]
     header = [
@@ -99,7 +123,8 @@ def table_markdown(runs: list[RunResult], summary: dict, metrics: tuple[str, ...
             f"{m} ({'higher' if m in HIGHER_IS_BETTER else 'lower'} is better)" if m in metrics else m
             for m in columns
         ),
-        f"{primary} vs {baseline}",
+        f"{primary} vs {baseline} (± s.e.)",
+        f"seeds better than {baseline}'s mean",
     ]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for label, stats in summary.items():
@@ -109,9 +134,24 @@ def table_markdown(runs: list[RunResult], summary: dict, metrics: tuple[str, ...
         for m in columns:
             s = stats.get(m)
             cells.append("n/a" if s is None else f"{s['mean']:.4g} ± {s['std']:.2g}")
-        change = change_vs(summary, label, baseline, primary)
-        cells.append("" if label == baseline else "n/a" if change is None else f"{change:+.1%}")
+        change, error = (
+            change_vs(summary, label, baseline, primary),
+            change_error(summary, label, baseline, primary),
+        )
+        base = summary.get(baseline, {}).get(primary)
+        if label == baseline or change is None or base is None:
+            cells += ["", ""] if label == baseline else ["n/a", "n/a"]
+        else:
+            cells.append(f"{change:+.1%}" + ("" if error is None else f" ± {error:.1%}"))
+            better, total = seeds_better_than(runs, label, base["mean"], primary)
+            cells.append(f"{better}/{total}")
         lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    lines.append(f"Per seed, {primary}:")
+    for label in summary:
+        values = [f"{v:.4g} (seed {r.seed})" for r in runs if r.label == label and r.status == "ok"
+                  and isinstance(v := _value(r, primary), float | int)]  # fmt: skip
+        lines.append(f"- {label}: {', '.join(values) or 'none'}")
     failed = [r for r in runs if r.status != "ok"]
     if failed:
         lines += ["", f"Failed runs ({len(failed)}):"]
