@@ -30,9 +30,10 @@ lower bound.
 
 CPU (``--device cpu``, default): the tiny Qwen2-VL (launch/make_tiny_model.py) on the synthetic clock
 task, configs/train/tiny_qwen2vl_clock.yaml. CUDA (``--device cuda --model-size 2b``): a model of
-Qwen2-VL-2B's dimensions (benchmarks/model_2b.py: random init, built offline), the shipped GPU recipe
-configs/train/qwen2vl_2b_clock.yaml (ZeRO-3 zero3_gpu.json, gradient checkpointing, frozen ViT, packing,
-Liger kernels when liger-kernel is installed) with optim.name=adamw_torch, 64 sequences per step;
+Qwen2-VL-2B's dimensions (benchmarks/model_2b.py: random init, built offline), the shipped one-GPU
+recipe configs/train/qwen2vl_2b_141gb_clock.yaml (ZeRO-2 zero2.json, no gradient checkpointing, 16k-token
+micro-batches, frozen ViT, packing, Liger kernels when liger-kernel is installed; for an 80 GB GPU pass
+--recipe configs/train/qwen2vl_2b_80gb_clock.yaml) with optim.name=adamw_torch, 64 sequences per step;
 the HF Trainer with micro-batches of 8 on the same DeepSpeed JSON.
 """
 
@@ -54,7 +55,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 HF_JOB = REPO_ROOT / "benchmarks" / "hf_trainer_job.py"
 PAIR_JOB = REPO_ROOT / "benchmarks" / "loss_pair_job.py"
 CPU_RECIPE = REPO_ROOT / "configs" / "train" / "tiny_qwen2vl_clock.yaml"
-GPU_RECIPE = REPO_ROOT / "configs" / "train" / "qwen2vl_2b_clock.yaml"
+GPU_RECIPE = REPO_ROOT / "configs" / "train" / "qwen2vl_2b_141gb_clock.yaml"  # one H100/H200: see above
 JOB_TIMEOUT_S = 900
 
 
