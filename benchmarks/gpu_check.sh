@@ -22,17 +22,21 @@
 # package it needs is missing) is skipped with the reason; a step that fails or runs out of time makes
 # the exit status 1. OUT: $OUT if set, else ./gpu_check_out; OUT/summary.txt has one line per step.
 # Without CUDA (checked with nvidia-smi before anything imports torch) every GPU step is skipped and
-# the script ends in a second or so: tests/unit/test_gpu_check.py runs it that way on CPU.
+# the script ends in a second or so: tests/unit/test_gpu_check.py runs it that way on CPU. A GPU that
+# nvidia-smi lists but torch cannot use (a CPU build of torch, a broken wheel) fails every GPU step.
 set -u
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PYTHON=${PYTHON:-python3}
 WHEELS=${1:-${NTIL_WHEELS:-}}
-OUT_DIR=${OUT:-$PWD/gpu_check_out}
 LOSS_METHODS=${LOSS_METHODS:-cross_entropy,ntil,ntil_eager,liger}  # ntil_compiled/ntil_torch: minutes
-mkdir -p "$OUT_DIR"
+# Both folders as absolute paths before the cd into the repository (they may be given relative to here).
+mkdir -p "${OUT:-$PWD/gpu_check_out}" || exit 1
+OUT_DIR=$(cd "${OUT:-$PWD/gpu_check_out}" && pwd)
+if [ -n "$WHEELS" ] && [ -d "$WHEELS" ]; then WHEELS=$(cd "$WHEELS" && pwd); fi
 SUMMARY=$OUT_DIR/summary.txt
 SCRATCH=$(mktemp -d "${TMPDIR:-/tmp}/ntil_gpu_check.XXXXXX")  # not under OUT: it is copied back
+trap 'rm -rf "$SCRATCH"' EXIT  # also when interrupted
 FAILED=0
 cd "$REPO" || exit 1
 
@@ -96,8 +100,11 @@ else
   find "$SCRATCH/site" -maxdepth 1 -name '*.dist-info' -printf '%f\n' 2>/dev/null | sort >"$OUT_DIR/installed.txt"
 fi
 
-# CUDA: nvidia-smi first, so a machine without a GPU skips everything without importing torch
+# CUDA: nvidia-smi first, so a machine without a GPU skips everything without importing torch. A GPU
+# that torch cannot use (a CPU build of torch, a broken carried wheel) is a failure, not a skip: the
+# check would otherwise pass having run nothing.
 cuda_reason=""
+cuda_status=skipped
 if ! command -v nvidia-smi >/dev/null 2>&1; then
   cuda_reason="no CUDA device (nvidia-smi not found)"
 elif ! nvidia-smi -L >/dev/null 2>&1; then
@@ -105,12 +112,19 @@ elif ! nvidia-smi -L >/dev/null 2>&1; then
 elif ! probe=$("$PYTHON" -c "import torch, transformers
 assert torch.cuda.is_available(), 'torch.cuda.is_available() is False (a CPU build of torch?)'
 print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)" 2>&1); then
-  cuda_reason="torch sees no CUDA device: ${probe##*$'\n'}"  # the error's last line
+  cuda_reason="nvidia-smi lists a GPU but torch cannot use it: ${probe##*$'\n'}"  # the error's last line
+  cuda_status=failed
+  FAILED=1
 fi
 
 if [ -n "$cuda_reason" ]; then
   for step in gpu_tests:70 loss_table:100 head_table:55 step_2b:170; do
-    skip "${step%%:*}" "${step##*:}" "$cuda_reason"
+    if [ "$cuda_status" = failed ]; then
+      echo "FAILED ${step%%:*}: $cuda_reason"
+      record "${step%%:*}" failed 0 "${step##*:}" "$cuda_reason"
+    else
+      skip "${step%%:*}" "${step##*:}" "$cuda_reason"
+    fi
   done
 else
   { nvidia-smi -L; echo "$probe"; } | tee "$OUT_DIR/device.txt"
@@ -145,5 +159,4 @@ echo "# total $SECONDS s" >>"$SUMMARY"
 echo
 echo "summary ($SUMMARY):"
 cat "$SUMMARY"
-rm -rf "$SCRATCH"
 exit "$FAILED"

@@ -35,6 +35,8 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
+from ntil_ds.typed_config import ConfigError
+
 
 @dataclass(frozen=True)
 class DistInfo:
@@ -247,7 +249,27 @@ def leave_process_group() -> None:
 
 # ----------------------------------------------------------------------------------------------------
 # A lost peer (a dead node, a cut link): a collective that fails, or never completes until the process
-# group's timeout (engine.init_distributed sets one for every group: DEEPSPEED_TIMEOUT minutes).
+# group's timeout (engine.init_distributed sets collective_timeout for every group).
+
+COLLECTIVE_TIMEOUT_ENV = "NTIL_COLLECTIVE_TIMEOUT_S"
+
+
+def collective_timeout(environ: Mapping[str, str]) -> timedelta:
+    """How long a rank waits in a collective for a peer: ``NTIL_COLLECTIVE_TIMEOUT_S`` seconds where a
+    minute is too coarse (a job that should fail fast on a lost node; the test cluster), else DeepSpeed's
+    ``DEEPSPEED_TIMEOUT`` whole minutes, default 10, read as deepspeed.constants reads it (slurm/train.sh
+    sets 10). Checked with the recipe (ds_config.resolve_run): a bad value fails at start."""
+    value = environ.get(COLLECTIVE_TIMEOUT_ENV, "").strip()
+    if not value:
+        return timedelta(minutes=int(environ.get("DEEPSPEED_TIMEOUT", "10")))
+    seconds = int(value) if value.isdigit() else 0
+    if seconds <= 0:
+        raise ConfigError(
+            f"{COLLECTIVE_TIMEOUT_ENV}={value!r}: expected a whole number of seconds > 0 (how long a rank "
+            "waits in a collective for a peer), or unset it to use DEEPSPEED_TIMEOUT (minutes)"
+        )
+    return timedelta(seconds=seconds)
+
 
 # How long rank 0 waits for the other ranks to answer after a collective timed out (unanswering_ranks).
 PEER_CHECK_TIMEOUT = timedelta(seconds=20)

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 from ntil_ds.config import Config, ConfigError, gradient_accumulation_steps, load_config
-from ntil_ds.dist import DistInfo
+from ntil_ds.dist import DistInfo, collective_timeout
 
 # Keys whose value the recipe decides; the JSON may repeat them only with the same value (or "auto").
 _RECIPE_OWNED_BLOCKS = ("optimizer", "scheduler")
@@ -128,6 +129,7 @@ def resolve_run(recipe: str | Path, overrides: list[str]) -> tuple[Config, dict[
     recipe fails in a second with a ConfigError, before any rank waits on another.
     """
     cfg = load_config(recipe, overrides)
+    collective_timeout(os.environ)  # a bad NTIL_COLLECTIVE_TIMEOUT_S fails here, not in init_distributed
     ds_json = load_deepspeed_json(cfg.deepspeed)
     dist_info = DistInfo.from_env(tp_size=tensor_parallel_size(ds_json))
     return cfg, merge_deepspeed_config(cfg, ds_json, dist_info.dp_size), dist_info

@@ -9,8 +9,6 @@ from __future__ import annotations
 import math
 import os
 import resource
-from collections.abc import Mapping
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +16,6 @@ import deepspeed
 import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
-from deepspeed.constants import default_pg_timeout
 from deepspeed.utils import groups as deepspeed_groups
 
 from ntil_ds.config import Config, ConfigError
@@ -26,6 +23,7 @@ from ntil_ds.dist import (
     DistInfo,
     any_rank,
     check_parallel_layout,
+    collective_timeout,
     launcher_env_defaults,
     make_host_group,
     make_peer_check_group,
@@ -46,25 +44,6 @@ def lr_ratio(step: int, *, warmup_steps: int, max_steps: int, min_lr_ratio: floa
 
 # ----------------------------------------------------------------------------------------------------
 # Process group
-
-
-COLLECTIVE_TIMEOUT_ENV = "NTIL_COLLECTIVE_TIMEOUT_S"
-
-
-def collective_timeout(environ: Mapping[str, str]) -> timedelta:
-    """How long a rank waits in a collective for a peer: DeepSpeed's ``DEEPSPEED_TIMEOUT`` (whole minutes,
-    default 30; slurm/train.sh sets 10), or ``NTIL_COLLECTIVE_TIMEOUT_S`` seconds where a minute is too
-    coarse (a job that should fail fast on a lost node; the test cluster)."""
-    value = environ.get(COLLECTIVE_TIMEOUT_ENV, "").strip()
-    if not value:
-        return default_pg_timeout
-    seconds = int(value) if value.isdigit() else 0
-    if seconds <= 0:
-        raise ConfigError(
-            f"{COLLECTIVE_TIMEOUT_ENV}={value!r}: expected a whole number of seconds > 0 (how long a rank "
-            "waits in a collective for a peer), or unset it to use DEEPSPEED_TIMEOUT (minutes)"
-        )
-    return timedelta(seconds=seconds)
 
 
 def init_distributed() -> None:

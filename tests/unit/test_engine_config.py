@@ -3,12 +3,14 @@
 import itertools
 import json
 import math
+import os
 
 import pytest
 
 from ntil_ds.config import ConfigError, load_config
+from ntil_ds.dist import COLLECTIVE_TIMEOUT_ENV, collective_timeout
 from ntil_ds.ds_config import load_deepspeed_json, merge_deepspeed_config, tensor_parallel_size
-from ntil_ds.engine import COLLECTIVE_TIMEOUT_ENV, collective_timeout, lr_ratio
+from ntil_ds.engine import lr_ratio
 
 ZERO3 = {"zero_optimization": {"stage": 3, "overlap_comm": False}, "steps_per_print": 1000}
 
@@ -139,13 +141,24 @@ def test_lr_schedule_warmup_then_cosine_to_the_floor():
     assert lr_ratio(5, **no_warmup) == pytest.approx(0.5 * (1 + math.cos(math.pi * 0.5)))
 
 
-def test_collective_timeout_is_deepspeeds_minutes_or_the_seconds_asked_for():
+def test_collective_timeout_is_deepspeeds_minutes_or_the_seconds_asked_for(monkeypatch):
     from datetime import timedelta
 
     from deepspeed.constants import default_pg_timeout
 
-    assert collective_timeout({}) == default_pg_timeout  # DEEPSPEED_TIMEOUT's minutes, read by DeepSpeed
-    assert collective_timeout({COLLECTIVE_TIMEOUT_ENV: " 45 "}) == timedelta(seconds=45)
+    from ntil_ds.ds_config import resolve_run
+
+    # DeepSpeed's own reading of DEEPSPEED_TIMEOUT in this process (at its import), then other values
+    assert collective_timeout(os.environ) == default_pg_timeout
+    assert collective_timeout({}) == timedelta(minutes=10)
+    assert collective_timeout({"DEEPSPEED_TIMEOUT": "7"}) == timedelta(minutes=7)
+    assert collective_timeout({COLLECTIVE_TIMEOUT_ENV: " 45 ", "DEEPSPEED_TIMEOUT": "7"}) == timedelta(
+        seconds=45
+    )
     for bad in ("0", "-3", "1.5", "10m"):
         with pytest.raises(ConfigError, match=f"{COLLECTIVE_TIMEOUT_ENV}=.*whole number of seconds"):
             collective_timeout({COLLECTIVE_TIMEOUT_ENV: bad})
+    # checked with the recipe, before any process group: train.py reports it as a config error
+    monkeypatch.setenv(COLLECTIVE_TIMEOUT_ENV, "soon")
+    with pytest.raises(ConfigError, match=COLLECTIVE_TIMEOUT_ENV):
+        resolve_run(None, ["model.name_or_path=m", "data.train_file=t.jsonl"])

@@ -108,6 +108,32 @@ def test_carried_wheels_are_installed_and_a_broken_one_fails_the_run(tmp_path):
     assert result.returncode == 1 and f"no *.whl in the wheel folder {empty}" in result.stderr
 
 
+@no_cuda_path
+def test_a_gpu_that_torch_cannot_use_fails_the_check_instead_of_skipping(tmp_path):
+    """nvidia-smi lists a GPU but this torch has no CUDA (as a CPU build of torch on a GPU node would):
+    every GPU step is marked failed and the exit status is 1, so a check that ran nothing is no pass. OUT
+    is given relative to the working directory, as a user types it."""
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    (fake_bin / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: Fake GPU (UUID: GPU-0)'\n")
+    (fake_bin / "nvidia-smi").chmod(0o755)
+    env = {
+        "PATH": f"{fake_bin}:/usr/bin:/bin",
+        "OUT": "relative_out",
+        "PYTHON": sys.executable,
+        "HOME": str(tmp_path),
+    }
+    result = subprocess.run(
+        ["bash", str(SCRIPT)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )  # the timeout is a hang guard
+    assert result.returncode == 1, result.stdout + result.stderr
+    summary = _summary(tmp_path / "relative_out")
+    for step in CUDA_STEPS:
+        status, _, _, detail = summary[step]
+        assert status == "failed" and "nvidia-smi lists a GPU but torch cannot use it" in detail, summary
+        assert "torch.cuda.is_available() is False" in detail
+
+
 @pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck is not installed")
 def test_shellcheck_is_clean():
     result = subprocess.run(["shellcheck", str(SCRIPT)], capture_output=True, text=True, timeout=60)
