@@ -153,10 +153,12 @@ def measure(num_rows: int, tokens: int, device: torch.device, dtype: torch.dtype
         mask_s[impl] = time.perf_counter() - started
 
     leaves = [t.detach().requires_grad_(backward) for t in inputs]
-    expected = reference(*inputs, rows)
+    # The reference's own float64 leaves, so its gradients are not rounded back to the inputs' dtype.
+    reference_leaves = [t.detach().double().requires_grad_(backward) for t in inputs]
+    expected = reference(*reference_leaves, rows)
     if backward:
         expected.backward(grad_out.double())
-    expected_grads = [t.grad for t in inputs] if backward else []
+    expected_grads = [t.grad for t in reference_leaves] if backward else []
     error, grad_error, times, memory = {}, {}, {impl: [] for impl in impls}, {}
     for impl in impls:
         out = run_once(impl, layer, leaves, masks[impl], grad_out, backward)  # warm-up: compiles flex

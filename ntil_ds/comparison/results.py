@@ -70,11 +70,16 @@ def summarize(runs: list[RunResult], metrics: tuple[str, ...]) -> dict[str, dict
         ok = [r for r in runs if r.label == label and r.status == "ok"]
         summary[label] = {}
         for name in (*metrics, *EXTRA_COLUMNS):
-            values = [v for r in ok if isinstance(v := _value(r, name), (int, float)) and math.isfinite(v)]
+            values = [v for r in ok if _finite(v := _value(r, name))]
             if values:
                 std = statistics.stdev(values) if len(values) > 1 else 0.0
                 summary[label][name] = {"mean": statistics.fmean(values), "std": std, "n": len(values)}
     return summary
+
+
+def _finite(value) -> bool:
+    """A number the summary averages (what summarize keeps): the per-seed lines and counts use the same."""
+    return isinstance(value, int | float) and math.isfinite(value)
 
 
 def _value(run: RunResult, name: str):
@@ -102,11 +107,7 @@ def seeds_better_than(
     runs: list[RunResult], label: str, baseline_mean: float, metric: str
 ) -> tuple[int, int]:
     """(how many of ``label``'s runs beat the baseline's mean on ``metric``, how many have a value)."""
-    values = [
-        v
-        for r in runs
-        if r.label == label and r.status == "ok" and isinstance(v := _value(r, metric), float | int)
-    ]
+    values = [v for r in runs if r.label == label and r.status == "ok" and _finite(v := _value(r, metric))]
     better = sum(v > baseline_mean if metric in HIGHER_IS_BETTER else v < baseline_mean for v in values)
     return better, len(values)
 
@@ -150,7 +151,7 @@ def table_markdown(runs: list[RunResult], summary: dict, metrics: tuple[str, ...
     lines.append(f"Per seed, {primary}:")
     for label in summary:
         values = [f"{v:.4g} (seed {r.seed})" for r in runs if r.label == label and r.status == "ok"
-                  and isinstance(v := _value(r, primary), float | int)]  # fmt: skip
+                  and _finite(v := _value(r, primary))]  # fmt: skip
         lines.append(f"- {label}: {', '.join(values) or 'none'}")
     failed = [r for r in runs if r.status != "ok"]
     if failed:

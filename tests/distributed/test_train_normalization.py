@@ -140,4 +140,8 @@ def test_full_fine_tuning_on_zero2_equals_one_process_and_resumes_to_the_same_ex
         root, model_dir, data_file, "zero2", nproc=2, micro_batch_size=1, logits="labelled", **options
     )
     assert "resumed from" in resumed["log"] and "step_00000001" in resumed["log"], resumed["log"][-3000:]
+    # The resumed job trained step 2 only: its step-1 record is the first job's (so step 2 and the export
+    # are what the comparison checks).
+    records = [json.loads(line) for line in (zero2["out"] / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["split"] == "train"] == [1, 2, 2]
     assert_same_training(resumed, zero2, initial)

@@ -230,7 +230,7 @@ def check_unlabelled_rows_are_not_read_and_get_the_contracts_fills():
     """Rows without a label: NaN logits there reach no output of the kernels (had a row been read, its
     max, log-sum-exp and gradient would be NaN); the fills are the contract's, equal on the torch path
     (which computes those rows on finite logits and fills them), full vocabulary and one shard."""
-    from ntil_ds.loss.vocab_stats import position_stats
+    from ntil_ds.loss.vocab_stats import position_stats, reduce_rows, row_partials
 
     kernel = kernel_module()
     generator = torch.Generator().manual_seed(6)
@@ -251,6 +251,18 @@ def check_unlabelled_rows_are_not_read_and_get_the_contracts_fills():
     assert torch.all(grad[unlabelled] == 0) and torch.isfinite(grad).all()
     local_max, packed = kernel.forward_partials(poisoned[:, 500:], targets, column_ids, 500, 3 + 10)
     assert torch.all(local_max[unlabelled] == 0) and torch.all(packed[unlabelled] == 0)
+    # One shard's partials finished as the vocab-parallel path finishes them (AutoTP): the same rows as
+    # the torch partials of the finite logits, NaN rules and fills included.
+    finished = {
+        "triton": reduce_rows(local_max, packed, targets, 10, None, None),
+        "torch": reduce_rows(
+            *row_partials(logits[:, 500:], targets, column_ids, 500, None), targets, 10, None, None
+        ),
+    }
+    for name, got, expected in zip(
+        ("ce", "columns", "row_max"), finished["triton"][:3], finished["torch"][:3], strict=True
+    ):
+        torch.testing.assert_close(got, expected, rtol=2e-6, atol=1e-6, equal_nan=True, msg=f"shard {name}")
 
     results = {}
     for name, values in (("torch", logits), ("triton", poisoned)):

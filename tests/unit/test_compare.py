@@ -67,6 +67,9 @@ def test_summary_mean_std_change_and_failed_runs(compare):
     assert "- ntil: 6 (seed 0), 9 (seed 1)" in table  # per seed, the failed one left out there
     assert compare.seeds_better_than(runs, "ntil", 8.0, "abs_error") == (1, 2)  # 6 beats 8, 9 does not
     assert compare.seeds_better_than(runs, "ce", 0.9, "parse_rate") == (1, 2)  # higher is better there
+    # a non-finite score is left out of the count as the summary leaves it out of the mean
+    nan_run = _run(compare, "emd", 0, abs_error=float("nan"), parse_rate=1.0)
+    assert compare.seeds_better_than([nan_run], "emd", 8.0, "abs_error") == (0, 0)
     assert "- ntil seed 2: train failed: boom (see runs/ntil-2)" in table
 
 
