@@ -166,7 +166,8 @@ def loss_from_rows(
 
     ce = at_positions(stats[:, 0])
     columns = at_positions(stats[:, 1 : 1 + num_columns])
-    # +inf where unlabelled: no column reaches it, so no position without a target reads as a minus sign.
+    # +inf where unlabelled (columns 0 above): the contract of vocab_stats.unlabelled_rows_filled, which the
+    # full path fills in the same way; no column reaches +inf, so no such position reads as a minus sign.
     row_max = at_positions(stats[:, 1 + num_columns].detach(), float("inf"))
     if stats.shape[1] > 2 + num_columns:  # the payload: the noise as the group's first rank drew it
         noise = at_positions(stats[:, 2 + num_columns :].detach())

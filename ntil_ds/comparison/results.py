@@ -103,11 +103,18 @@ def change_error(summary: dict, label: str, baseline: str, metric: str) -> float
     return math.sqrt(this["std"] ** 2 / this["n"] + base["std"] ** 2 / base["n"]) / abs(base["mean"])
 
 
+def seed_values(runs: list[RunResult], label: str, metric: str) -> list[tuple[int, float]]:
+    """(seed, value) of ``label``'s finished runs that have a finite ``metric`` (what the summary averages)."""
+    return [
+        (r.seed, v) for r in runs if r.label == label and r.status == "ok" and _finite(v := _value(r, metric))
+    ]
+
+
 def seeds_better_than(
     runs: list[RunResult], label: str, baseline_mean: float, metric: str
 ) -> tuple[int, int]:
     """(how many of ``label``'s runs beat the baseline's mean on ``metric``, how many have a value)."""
-    values = [v for r in runs if r.label == label and r.status == "ok" and _finite(v := _value(r, metric))]
+    values = [value for _, value in seed_values(runs, label, metric)]
     better = sum(v > baseline_mean if metric in HIGHER_IS_BETTER else v < baseline_mean for v in values)
     return better, len(values)
 
@@ -139,19 +146,17 @@ def table_markdown(runs: list[RunResult], summary: dict, metrics: tuple[str, ...
             change_vs(summary, label, baseline, primary),
             change_error(summary, label, baseline, primary),
         )
-        base = summary.get(baseline, {}).get(primary)
-        if label == baseline or change is None or base is None:
+        if label == baseline or change is None:  # no change: no baseline mean either
             cells += ["", ""] if label == baseline else ["n/a", "n/a"]
         else:
             cells.append(f"{change:+.1%}" + ("" if error is None else f" ± {error:.1%}"))
-            better, total = seeds_better_than(runs, label, base["mean"], primary)
+            better, total = seeds_better_than(runs, label, summary[baseline][primary]["mean"], primary)
             cells.append(f"{better}/{total}")
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
     lines.append(f"Per seed, {primary}:")
     for label in summary:
-        values = [f"{v:.4g} (seed {r.seed})" for r in runs if r.label == label and r.status == "ok"
-                  and _finite(v := _value(r, primary))]  # fmt: skip
+        values = [f"{value:.4g} (seed {seed})" for seed, value in seed_values(runs, label, primary)]
         lines.append(f"- {label}: {', '.join(values) or 'none'}")
     failed = [r for r in runs if r.status != "ok"]
     if failed:

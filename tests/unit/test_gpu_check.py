@@ -25,12 +25,14 @@ no_cuda_path = pytest.mark.skipif(
 )
 
 
-def _run(out, *args, timeout=60):
-    env = {"PATH": "/usr/bin:/bin", "OUT": str(out), "PYTHON": sys.executable, "HOME": str(out)}
+def _run(cwd, *args, out=None, bin_dir=None, timeout=60):
+    """The script from ``cwd``; OUT is ``out`` as given (default: ``cwd``), ``bin_dir`` first on PATH."""
+    path = f"{bin_dir}:/usr/bin:/bin" if bin_dir else "/usr/bin:/bin"
+    env = {"PATH": path, "OUT": str(out or cwd), "PYTHON": sys.executable, "HOME": str(cwd)}
     started = time.perf_counter()
     result = subprocess.run(
         ["bash", str(SCRIPT), *map(str, args)],
-        cwd=out,
+        cwd=cwd,
         env=env,
         capture_output=True,
         text=True,
@@ -117,15 +119,7 @@ def test_a_gpu_that_torch_cannot_use_fails_the_check_instead_of_skipping(tmp_pat
     fake_bin.mkdir()
     (fake_bin / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: Fake GPU (UUID: GPU-0)'\n")
     (fake_bin / "nvidia-smi").chmod(0o755)
-    env = {
-        "PATH": f"{fake_bin}:/usr/bin:/bin",
-        "OUT": "relative_out",
-        "PYTHON": sys.executable,
-        "HOME": str(tmp_path),
-    }
-    result = subprocess.run(
-        ["bash", str(SCRIPT)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
-    )  # the timeout is a hang guard
+    result, _ = _run(tmp_path, out="relative_out", bin_dir=fake_bin, timeout=120)
     assert result.returncode == 1, result.stdout + result.stderr
     summary = _summary(tmp_path / "relative_out")
     for step in CUDA_STEPS:
