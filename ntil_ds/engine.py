@@ -6,9 +6,11 @@ DeepSpeed JSON) is decided before, without it, in :mod:`ntil_ds.ds_config`.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import resource
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +30,8 @@ from ntil_ds.dist import (
     make_host_group,
     make_peer_check_group,
 )
+
+logger = logging.getLogger(__name__)
 
 
 def lr_ratio(step: int, *, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
@@ -65,6 +69,37 @@ def init_distributed() -> None:
     # Every rank, at the same point (both are collectives):
     make_host_group()  # counts and flags are reduced without the device
     make_peer_check_group()  # to name the ranks a timed-out collective waited for (launch/train.py)
+    # Only now: the collectives above returned on every rank, so every rank has mapped every workspace.
+    unlinked = unlink_cpu_allreduce_workspace(os.environ, dist.get_rank())
+    if unlinked is not None and dist.get_rank() == 0:
+        logger.info("DeepSpeed's CPU allreduce workspaces unlinked (freed when the job ends): %s", unlinked)
+
+
+def cpu_allreduce_workspace(environ: Mapping[str, str], rank: int) -> Path:
+    """Where DeepSpeed's CPU allreduce keeps this rank's workspace: the name shm.cpp's shm_initialize
+    gives it (uid, MASTER_ADDR, MASTER_PORT, rank), under /dev/shm where glibc's shm_open puts it."""
+    name = f"deepspeed_allreduce_buffer_{os.getuid()}_{environ.get('MASTER_ADDR', '')}_{environ.get('MASTER_PORT', '')}_{rank}"
+    return Path("/dev/shm") / name
+
+
+def unlink_cpu_allreduce_workspace(environ: Mapping[str, str], rank: int) -> Path | None:
+    """Unlink this rank's workspace of DeepSpeed's CPU allreduce, if it made one; the path, or None.
+
+    On CPU, when all ranks are on one host (the deepspeed launcher's LOCAL_SIZE equals the world size),
+    DeepSpeed 0.19 puts a 64 MiB workspace per rank in POSIX shared memory and never unlinks it (its
+    shared_close is never called): every CPU job left 64 MiB per rank of RAM behind until reboot (240
+    of them held 16 GB of this 24 GB machine). The ranks only need the name to map each other's
+    workspace at init; unlinked after that, the memory is freed when the last rank holding it exits,
+    crashed or not.
+    """
+    if get_accelerator().device_name() != "cpu":
+        return None
+    path = cpu_allreduce_workspace(environ, rank)
+    try:
+        path.unlink()
+    except FileNotFoundError:  # not made: ranks on several hosts, or another launcher (no LOCAL_SIZE)
+        return None
+    return path
 
 
 def device_for(local_rank: int) -> torch.device:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -187,6 +188,17 @@ def test_generated_answers_under_zero3_are_the_trained_models(qwen_setup, uninte
     assert [m.step for m in client.get_metric_history(run.info.run_id, "eval/parse_rate")] == [3, 6]
     plots = [a.path for a in client.list_artifacts(run.info.run_id, "plots")]
     assert "plots/eval_scores.png" in plots
+
+
+def test_deepspeed_cpu_allreduce_workspaces_are_not_left_in_shared_memory(uninterrupted_run):
+    """DeepSpeed's CPU allreduce never unlinks the 64 MiB per rank it puts in /dev/shm; the job unlinks
+    them once every rank has mapped them (engine.init_distributed), so none outlives the job."""
+    _, log = uninterrupted_run
+    port = re.search(r"--master_port[= ](\d+)", log).group(1)
+    unlinked = [line for line in log.splitlines() if "allreduce workspaces unlinked" in line]
+    # made, named as computed from the launcher's address and port, and unlinked (rank 0 says so)
+    assert len(unlinked) == 1 and unlinked[0].endswith(f"_127.0.0.1_{port}_0"), unlinked
+    assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
 
 
 @pytest.mark.timeout(1500)
