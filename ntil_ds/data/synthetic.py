@@ -3,6 +3,7 @@
 - `clock`: analog clock faces (sizes, colours, hand styles vary) -> "HH:MM" (12-hour dial, 01..12).
 - `boxes`: coloured shapes on a 112x112 canvas -> "[x1, y1, x2, y2]" of the named one, in pixels.
 - `chart`: a bar chart with lettered bars on a 0-100 grid -> the integer value of the named bar.
+- `digits`: a number written in the image -> the number (a reading task for pretraining a vision tower).
 - `arithmetic`: text-only multi-digit +, -, x problems -> the number.
 
 Each task has a `standard` difficulty (the above) and an `easy` one, small enough for a tiny model
@@ -11,50 +12,40 @@ trained for minutes on a CPU to learn (the small recipes in configs/train/ and `
 - `clock` easy: one large plain dial (56 px, 2x2 patches per quadrant of a Qwen-VL model), thick black
   hands of clearly different lengths, 12 ticks, times on the quarter hour (48 answers);
 - `arithmetic` easy: a + b with a, b in 0..99 (answers 0..198, 3 digits at most);
-- `boxes` easy: one or two large shapes; `chart` easy: 3 bars with values on multiples of 10.
+- `boxes` easy: one or two large shapes; `chart` easy: 3 bars with values on multiples of 10;
+- `digits` easy: 0..99 centred on a 56 px square (standard: 0..999 anywhere on 112x56, sizes vary).
 
-Every sample is drawn from its own random generator seeded by (task, seed, index), so a dataset is the
-same bytes on every run, and no two samples share their parameters (identical image and question),
-so the train, val and test splits never overlap.
+The image tasks also have `easy-alt`: the easy task's size and answers drawn in a style that neither
+`standard` nor `easy` ever shows, the held-out variants the image grids fine-tune a pretrained base on
+(configs/train/tiny_qwen2vl_pretrain.yaml pretrains on standard and easy only):
+
+- `clock` easy-alt: a dark dial on a grey square, light hands (a wedge for the hour, a thin line with a
+  round tip for the minutes), four dots instead of 12 ticks; quarter hours (the same 48 answers);
+- `boxes` easy-alt: one or two large diamonds, crosses or rings in four other colours (cyan, pink,
+  brown, gray) on a darker background;
+- `chart` easy-alt: 3 horizontal bars (values on multiples of 10 along the x axis).
+
+Every sample is drawn from its own random generator seeded by (task, difficulty, seed, index), so a
+dataset is the same bytes on every run, and no two samples share their parameters (identical image and
+question), so the train, val and test splits never overlap.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
-from PIL import Image, ImageDraw, ImageFont
+from PIL import Image, ImageDraw
 from tqdm import tqdm
 
-TASKS = ("clock", "boxes", "chart", "arithmetic")
-DIFFICULTIES = ("standard", "easy")
+from ntil_ds.data.drawing import COLOURS, OTHER_COLOURS, Sample, default_font, draw_shape, overlap, polar
+
+TASKS = ("clock", "boxes", "chart", "digits", "arithmetic")
+DIFFICULTIES = ("standard", "easy", "easy-alt")
 SPLITS = {"train": 0.8, "val": 0.1, "test": 0.1}
-
-COLOURS = {
-    "red": (220, 40, 40),
-    "green": (40, 170, 60),
-    "blue": (40, 80, 220),
-    "yellow": (230, 200, 30),
-    "purple": (140, 60, 180),
-    "orange": (240, 140, 30),
-}
-
-
-@dataclass(frozen=True)
-class Sample:
-    """One generated sample: the question, the answer, the image (None for text tasks), and a key
-    identifying its parameters (equal keys would be equal samples)."""
-
-    question: str
-    answer: str
-    image: Image.Image | None
-    key: tuple
-
 
 # ----------------------------------------------------------------------------------------------------
 # clock
@@ -79,10 +70,10 @@ def make_clock(rng: random.Random) -> Sample:
             major = ticks == "12" or k % 5 == 0
             angle = math.radians(k * (6 if ticks == "60" else 30))
             inner = r * (0.82 if major else 0.9)
-            draw.line(_polar(c, angle, inner, r * 0.96), fill=rim, width=2 if major else 1)
+            draw.line(polar(c, angle, inner, r * 0.96), fill=rim, width=2 if major else 1)
     hour_angle = math.radians((hour % 12 + minute / 60) * 30)
-    draw.line(_polar(c, hour_angle, 0, r * 0.5), fill=hand, width=hour_width)
-    draw.line(_polar(c, math.radians(minute * 6), 0, r * 0.8), fill=hand, width=minute_width)
+    draw.line(polar(c, hour_angle, 0, r * 0.5), fill=hand, width=hour_width)
+    draw.line(polar(c, math.radians(minute * 6), 0, r * 0.8), fill=hand, width=minute_width)
     draw.ellipse([c - 2, c - 2, c + 2, c + 2], fill=hand)
     key = (size, hour, minute, face, rim, hand, hour_width, minute_width, ticks)
     return Sample("What time does the clock show? Answer as HH:MM.", f"{hour:02d}:{minute:02d}", image, key)
@@ -104,18 +95,38 @@ def make_clock_easy(rng: random.Random) -> Sample:
     c, r = size / 2, size / 2 - 1
     draw.ellipse([c - r, c - r, c + r, c + r], fill=face, outline=rim, width=2)
     for k in range(12):
-        draw.line(_polar(c, math.radians(k * 30), r * 0.8, r), fill=rim, width=2)
+        draw.line(polar(c, math.radians(k * 30), r * 0.8, r), fill=rim, width=2)
     hour_angle = math.radians((hour % 12 + minute / 60) * 30)
-    draw.line(_polar(c, hour_angle, 0, r * 0.5), fill=hand, width=5)
-    draw.line(_polar(c, math.radians(minute * 6), 0, r * 0.9), fill=hand, width=3)
+    draw.line(polar(c, hour_angle, 0, r * 0.5), fill=hand, width=5)
+    draw.line(polar(c, math.radians(minute * 6), 0, r * 0.9), fill=hand, width=3)
     key = ("easy", hour, minute, face, rim, hand)
     return Sample("What time does the clock show? Answer as HH:MM.", f"{hour:02d}:{minute:02d}", image, key)
 
 
-def _polar(center: float, angle: float, r0: float, r1: float) -> list[tuple[float, float]]:
-    """A radial segment at `angle` (clockwise from 12 o'clock) from radius r0 to r1."""
-    dx, dy = math.sin(angle), -math.cos(angle)
-    return [(center + r0 * dx, center + r0 * dy), (center + r1 * dx, center + r1 * dy)]
+def make_clock_alt(rng: random.Random) -> Sample:
+    """The easy clock's size and quarter hours in a style the pretraining never shows: a dark dial on a
+    grey square, light hands (a wedge for the hour, a thin line with a round tip for the minutes), and
+    four dots at 12, 3, 6 and 9 instead of ticks."""
+    size = EASY_CLOCK_SIZE
+    hour, minute = rng.randint(1, 12), rng.choice((0, 15, 30, 45))
+    grey = rng.randint(140, 190)
+    face = tuple(rng.randint(0, 60) for _ in range(3))
+    light = tuple(rng.randint(200, 255) for _ in range(3))
+    image = Image.new("RGB", (size, size), (grey, grey, grey))
+    draw = ImageDraw.Draw(image)
+    c, r = size / 2, size / 2 - 1
+    draw.ellipse([c - r, c - r, c + r, c + r], fill=face)
+    for k in range(4):
+        (x, y), _ = polar(c, math.radians(k * 90), r * 0.88, r)
+        draw.ellipse([x - 2, y - 2, x + 2, y + 2], fill=light)
+    hour_angle = math.radians((hour % 12 + minute / 60) * 30)
+    (tip, _), (left, right) = polar(c, hour_angle, r * 0.55, 0), polar(c, hour_angle + math.pi / 2, 4, -4)
+    draw.polygon([tip, left, right], fill=light)
+    (end, _) = polar(c, math.radians(minute * 6), r * 0.72, 0)
+    draw.line([(c, c), end], fill=light, width=2)
+    draw.ellipse([end[0] - 3, end[1] - 3, end[0] + 3, end[1] + 3], fill=light)
+    key = ("easy-alt", hour, minute, grey, face, light)
+    return Sample("What time does the clock show? Answer as HH:MM.", f"{hour:02d}:{minute:02d}", image, key)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -123,25 +134,33 @@ def _polar(center: float, angle: float, r0: float, r1: float) -> list[tuple[floa
 
 BOXES_CANVAS = 112  # a multiple of 28: Qwen-VL keeps the size, so pixel answers mean the same to it
 SHAPES = ("square", "circle", "triangle")
+OTHER_SHAPES = ("diamond", "cross", "ring")  # the held-out variant's (easy-alt)
 
 
-def make_boxes(rng: random.Random, max_shapes: int = 4, min_side: int = 12) -> Sample:
-    background = tuple(rng.randint(200, 255) for _ in range(3))
+def make_boxes(
+    rng: random.Random,
+    max_shapes: int = 4,
+    min_side: int = 12,
+    colours: dict[str, tuple[int, int, int]] = COLOURS,
+    shapes: tuple[str, ...] = SHAPES,
+    background_range: tuple[int, int] = (200, 255),
+) -> Sample:
+    background = tuple(rng.randint(*background_range) for _ in range(3))
     image = Image.new("RGB", (BOXES_CANVAS, BOXES_CANVAS), background)
     draw = ImageDraw.Draw(image)
-    kinds = rng.sample([(c, s) for c in COLOURS for s in SHAPES], rng.randint(min(2, max_shapes), max_shapes))
+    kinds = rng.sample([(c, s) for c in colours for s in shapes], rng.randint(min(2, max_shapes), max_shapes))
     boxes: list[tuple[int, int, int, int]] = []
     for colour, shape in kinds:
         for _ in range(100):  # place without overlap (with a 2 px gap)
             side = rng.randint(min_side, 36)
             x1, y1 = rng.randint(0, BOXES_CANVAS - side), rng.randint(0, BOXES_CANVAS - side)
             box = (x1, y1, x1 + side - 1, y1 + side - 1)
-            if not any(_overlap(box, other, gap=2) for other in boxes):
+            if not any(overlap(box, other, gap=2) for other in boxes):
                 break
         else:
             raise RuntimeError("could not place shapes without overlap")  # cannot happen at these sizes
         boxes.append(box)
-        _draw_shape(draw, shape, box, COLOURS[colour])
+        draw_shape(draw, shape, box, colours[colour])
     target = rng.randrange(len(kinds))
     colour, shape = kinds[target]
     x1, y1, x2, y2 = boxes[target]
@@ -150,29 +169,10 @@ def make_boxes(rng: random.Random, max_shapes: int = 4, min_side: int = 12) -> S
     return Sample(question, f"[{x1}, {y1}, {x2}, {y2}]", image, key)
 
 
-def _overlap(a, b, gap: int) -> bool:
-    return not (a[2] + gap < b[0] or b[2] + gap < a[0] or a[3] + gap < b[1] or b[3] + gap < a[1])
-
-
-def _draw_shape(draw: ImageDraw.ImageDraw, shape: str, box, colour) -> None:
-    x1, y1, x2, y2 = box
-    if shape == "square":
-        draw.rectangle(box, fill=colour)
-    elif shape == "circle":
-        draw.ellipse(box, fill=colour)
-    else:  # triangle: apex at top centre; its bounding box is the box
-        draw.polygon([((x1 + x2) / 2, y1), (x2, y2), (x1, y2)], fill=colour)
-
-
 # ----------------------------------------------------------------------------------------------------
 # chart
 
 CHART_SIZE = (168, 112)
-
-
-@functools.cache
-def _default_font() -> ImageFont.ImageFont | ImageFont.FreeTypeFont:
-    return ImageFont.load_default()  # Pillow's built-in font: same glyphs everywhere, no font files
 
 
 def make_chart(rng: random.Random, n_bars: int | None = None, step: int = 1) -> Sample:
@@ -182,7 +182,7 @@ def make_chart(rng: random.Random, n_bars: int | None = None, step: int = 1) -> 
     labels = "ABCDEF"[:n_bars]
     image = Image.new("RGB", (width, height), (255, 255, 255))
     draw = ImageDraw.Draw(image)
-    font = _default_font()
+    font = default_font()
     left, right, top, bottom = 22, width - 4, 6, height - 14
     for tick in range(0, 101, 20):  # grid lines with their values on the left
         y = bottom - (bottom - top) * tick / 100
@@ -201,6 +201,57 @@ def make_chart(rng: random.Random, n_bars: int | None = None, step: int = 1) -> 
     question = f"What is the value of bar {labels[target]} in the chart? Answer with a number."
     key = (tuple(values), colour, target)
     return Sample(question, str(values[target]), image, key)
+
+
+def make_chart_horizontal(rng: random.Random, n_bars: int = 3, step: int = 10) -> Sample:
+    """The easy chart turned on its side: lettered bars from the left, values along the x axis."""
+    width, height = CHART_SIZE
+    values = [rng.randrange(0, 101, step) for _ in range(n_bars)]
+    labels = "ABCDEF"[:n_bars]
+    image = Image.new("RGB", (width, height), (255, 255, 255))
+    draw = ImageDraw.Draw(image)
+    font = default_font()
+    left, right, top, bottom = 12, width - 10, 4, height - 14
+    for tick in range(0, 101, 20):  # grid lines with their values below
+        x = left + (right - left) * tick / 100
+        draw.line([(x, top), (x, bottom)], fill=(210, 210, 210))
+        draw.text((x - 5, bottom + 2), str(tick), fill=(0, 0, 0), font=font)
+    draw.line([(left, top), (left, bottom), (right, bottom)], fill=(0, 0, 0))
+    slot = (bottom - top) / n_bars
+    colour = rng.choice(list(COLOURS.values()))
+    for i, (label, value) in enumerate(zip(labels, values, strict=True)):
+        y1, y2 = top + i * slot + slot * 0.2, top + (i + 1) * slot - slot * 0.2
+        draw.rectangle([left, y1, left + (right - left) * value / 100, y2], fill=colour)
+        draw.text((1, (y1 + y2) / 2 - 5), label, fill=(0, 0, 0), font=font)
+    target = rng.randrange(n_bars)
+    question = f"What is the value of bar {labels[target]} in the chart? Answer with a number."
+    key = ("horizontal", tuple(values), colour, target)
+    return Sample(question, str(values[target]), image, key)
+
+
+# ----------------------------------------------------------------------------------------------------
+# digits
+
+
+def make_digits(rng: random.Random, easy: bool = False) -> Sample:
+    """A number written in the image, dark on light. Easy: 0..99 near the centre of a 56 px square in a
+    28 px font; standard: 0..999 anywhere on 112x56, 18-32 px, the shades vary."""
+    number = rng.randint(0, 99 if easy else 999)
+    width, height = (EASY_CLOCK_SIZE, EASY_CLOCK_SIZE) if easy else (112, 56)
+    size = 28 if easy else rng.randint(18, 32)
+    ink = tuple(rng.randint(0, 70) for _ in range(3))
+    paper = tuple(rng.randint(190, 255) for _ in range(3))
+    font = default_font(size)
+    x1, y1, x2, y2 = font.getbbox(str(number))
+    room_x, room_y = width - (x2 - x1), height - (y2 - y1)
+    if easy:  # centred, a few pixels of jitter
+        x, y = room_x // 2 + rng.randint(-3, 3), room_y // 2 + rng.randint(-3, 3)
+    else:
+        x, y = rng.randint(0, room_x), rng.randint(0, room_y)
+    image = Image.new("RGB", (width, height), paper)
+    ImageDraw.Draw(image).text((x - x1, y - y1), str(number), fill=ink, font=font)
+    key = (easy, number, size, ink, paper, x, y)
+    return Sample("What number is written in the image? Answer with the number.", str(number), image, key)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -229,14 +280,29 @@ MAKERS: dict[str, Callable[[random.Random], Sample]] = {
     "clock": make_clock,
     "boxes": make_boxes,
     "chart": make_chart,
+    "digits": make_digits,
     "arithmetic": make_arithmetic,
 }
 EASY_MAKERS: dict[str, Callable[[random.Random], Sample]] = {
     "clock": make_clock_easy,
     "boxes": lambda rng: make_boxes(rng, max_shapes=2, min_side=24),
     "chart": lambda rng: make_chart(rng, n_bars=3, step=10),
+    "digits": lambda rng: make_digits(rng, easy=True),
     "arithmetic": make_arithmetic_easy,
 }
+EASY_ALT_MAKERS: dict[str, Callable[[random.Random], Sample]] = {
+    "clock": make_clock_alt,
+    "boxes": lambda rng: make_boxes(
+        rng,
+        max_shapes=2,
+        min_side=24,
+        colours=OTHER_COLOURS,
+        shapes=OTHER_SHAPES,
+        background_range=(150, 200),
+    ),
+    "chart": make_chart_horizontal,
+}
+MAKERS_BY_DIFFICULTY = {"standard": MAKERS, "easy": EASY_MAKERS, "easy-alt": EASY_ALT_MAKERS}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -249,7 +315,12 @@ def generate(task: str, n: int, seed: int, difficulty: str = "standard") -> list
         raise ValueError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
     if difficulty not in DIFFICULTIES:
         raise ValueError(f"unknown difficulty {difficulty!r}; choose one of {', '.join(DIFFICULTIES)}")
-    make = MAKERS[task] if difficulty == "standard" else EASY_MAKERS[task]
+    makers = MAKERS_BY_DIFFICULTY[difficulty]
+    if task not in makers:
+        raise ValueError(
+            f"task {task} has no {difficulty!r} variant; {difficulty} exists for {', '.join(makers)}"
+        )
+    make = makers[task]
     # The standard streams keep their seeds (same bytes as before difficulties existed).
     stream = task if difficulty == "standard" else f"{task}-{difficulty}"
     seen: set[tuple] = set()

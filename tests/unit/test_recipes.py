@@ -49,11 +49,11 @@ RECIPE_OWNED_KEYS = {
 
 
 def _gpus_in_header(recipe: Path) -> int:
-    """World size a recipe is written for: "N processes" (CPU demo) or the first "N x ... GB" GPU line."""
+    """World size a recipe is written for: "N process(es)" (CPU demo) or the first "N x ... GB" GPU line."""
     header = "".join(line for line in recipe.read_text().splitlines(keepends=True) if line.startswith("#"))
     if match := re.search(r"GPUs: (\d+) x \d+ GB", header):
         return int(match.group(1))
-    if match := re.search(r"(\d+) processes", header):
+    if match := re.search(r"(\d+) process(?:es)?\b", header):
         return int(match.group(1))
     raise AssertionError(
         f"{recipe.name}: header must say what it runs on ('GPUs: N x M GB ...' or 'N processes')"
