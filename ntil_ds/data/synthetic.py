@@ -38,7 +38,7 @@ import random
 from collections.abc import Callable
 from pathlib import Path
 
-from PIL import Image, ImageDraw
+from PIL import Image, ImageDraw, ImageFont
 from tqdm import tqdm
 
 from ntil_ds.data.drawing import COLOURS, OTHER_COLOURS, Sample, default_font, draw_shape, overlap, polar
@@ -175,14 +175,17 @@ def make_boxes(
 CHART_SIZE = (168, 112)
 
 
+def _blank_chart() -> tuple[Image.Image, ImageDraw.ImageDraw, ImageFont.ImageFont | ImageFont.FreeTypeFont]:
+    image = Image.new("RGB", CHART_SIZE, (255, 255, 255))
+    return image, ImageDraw.Draw(image), default_font()
+
+
 def make_chart(rng: random.Random, n_bars: int | None = None, step: int = 1) -> Sample:
     width, height = CHART_SIZE
     n_bars = n_bars or rng.randint(3, 6)
     values = [rng.randrange(0, 101, step) for _ in range(n_bars)]
     labels = "ABCDEF"[:n_bars]
-    image = Image.new("RGB", (width, height), (255, 255, 255))
-    draw = ImageDraw.Draw(image)
-    font = default_font()
+    image, draw, font = _blank_chart()
     left, right, top, bottom = 22, width - 4, 6, height - 14
     for tick in range(0, 101, 20):  # grid lines with their values on the left
         y = bottom - (bottom - top) * tick / 100
@@ -208,9 +211,7 @@ def make_chart_horizontal(rng: random.Random, n_bars: int = 3, step: int = 10) -
     width, height = CHART_SIZE
     values = [rng.randrange(0, 101, step) for _ in range(n_bars)]
     labels = "ABCDEF"[:n_bars]
-    image = Image.new("RGB", (width, height), (255, 255, 255))
-    draw = ImageDraw.Draw(image)
-    font = default_font()
+    image, draw, font = _blank_chart()
     left, right, top, bottom = 12, width - 10, 4, height - 14
     for tick in range(0, 101, 20):  # grid lines with their values below
         x = left + (right - left) * tick / 100
