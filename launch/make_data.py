@@ -37,6 +37,7 @@ def main(argv: list[str] | None = None) -> None:
         help="easy: small enough for a tiny CPU model; easy-alt: the easy task drawn in a held-out style",
     )
     args = parser.parse_args(argv)
+    started = time.perf_counter()
     if args.task == "mix":
         if not args.parts or args.n is not None:
             parser.error("mix takes --parts TASK:DIFFICULTY:N,... (and no --n: each part has its own)")
@@ -45,14 +46,12 @@ def main(argv: list[str] | None = None) -> None:
         except ValueError as err:
             parser.error(str(err))
         n = sum(part.n for part in parts)
-        started = time.perf_counter()
         paths = write_mixture(parts, args.out, seed=args.seed)
         what = f"{n} samples of {len(parts)} parts"
     else:
         if args.n is None or args.parts:
             parser.error(f"{args.task} takes --n (--parts is for mix)")
         n = args.n
-        started = time.perf_counter()
         paths = write_dataset(args.task, n, args.out, seed=args.seed, difficulty=args.difficulty)
         what = f"{n} {args.task} samples"
     seconds = time.perf_counter() - started

@@ -75,13 +75,6 @@ def init_distributed() -> None:
         logger.info("DeepSpeed's CPU allreduce workspaces unlinked (freed when the job ends): %s", unlinked)
 
 
-def cpu_allreduce_workspace(environ: Mapping[str, str], rank: int) -> Path:
-    """Where DeepSpeed's CPU allreduce keeps this rank's workspace: the name shm.cpp's shm_initialize
-    gives it (uid, MASTER_ADDR, MASTER_PORT, rank), under /dev/shm where glibc's shm_open puts it."""
-    name = f"deepspeed_allreduce_buffer_{os.getuid()}_{environ.get('MASTER_ADDR', '')}_{environ.get('MASTER_PORT', '')}_{rank}"
-    return Path("/dev/shm") / name
-
-
 def unlink_cpu_allreduce_workspace(environ: Mapping[str, str], rank: int) -> Path | None:
     """Unlink this rank's workspace of DeepSpeed's CPU allreduce, if it made one; the path, or None.
 
@@ -94,7 +87,9 @@ def unlink_cpu_allreduce_workspace(environ: Mapping[str, str], rank: int) -> Pat
     """
     if get_accelerator().device_name() != "cpu":
         return None
-    path = cpu_allreduce_workspace(environ, rank)
+    # The name shm.cpp's shm_initialize gives it, under /dev/shm where glibc's shm_open puts it.
+    master = f"{environ.get('MASTER_ADDR', '')}_{environ.get('MASTER_PORT', '')}"
+    path = Path("/dev/shm") / f"deepspeed_allreduce_buffer_{os.getuid()}_{master}_{rank}"
     try:
         path.unlink()
     except FileNotFoundError:  # not made: ranks on several hosts, or another launcher (no LOCAL_SIZE)

@@ -44,25 +44,21 @@ def test_alt_clock_hands_point_at_the_answer_on_a_dark_dial():
 
 
 def test_alt_boxes_name_and_draw_only_held_out_colours_and_shapes_at_the_answer():
+    checked = 0
     for sample in generate("boxes", 30, seed=0, difficulty="easy-alt"):
         colour, shape = sample.question.split("the ")[1].split("?")[0].split()
         assert colour in OTHER_COLOURS and colour not in COLOURS
         assert shape in OTHER_SHAPES and shape not in SHAPES
         x1, y1, x2, y2 = (int(v) for v in parse_box(sample.answer))
         assert x2 - x1 + 1 >= 24 and y2 - y1 + 1 >= 24
+        kinds = sample.key[1]  # (background, kinds, boxes, target)
+        if sum(c == colour for c, _ in kinds) > 1:  # two shapes of one colour: their pixels span both
+            continue
         # the named shape's colour reaches all four sides of the box and nothing of it lies outside
-        rgb = OTHER_COLOURS[colour]
-        inside = [(x, y) for x in range(112) for y in range(112) if sample.image.getpixel((x, y)) == rgb]
-        xs, ys = [x for x, _ in inside], [y for _, y in inside]
-        others = [b for b in _boxes_of_colour(sample) if b != (x1, y1, x2, y2)]
-        if not others:  # two shapes may share a colour; then their pixels span both boxes
-            assert (min(xs), min(ys), max(xs), max(ys)) == (x1, y1, x2, y2), sample.answer
-
-
-def _boxes_of_colour(sample):
-    (_, kinds, boxes, target) = sample.key[0], sample.key[1], sample.key[2], sample.key[3]
-    colour = kinds[target][0]
-    return [box for (c, _), box in zip(kinds, boxes, strict=True) if c == colour]
+        ys, xs = np.nonzero((np.asarray(sample.image) == OTHER_COLOURS[colour]).all(axis=2))
+        assert (xs.min(), ys.min(), xs.max(), ys.max()) == (x1, y1, x2, y2), sample.answer
+        checked += 1
+    assert checked >= 20, checked  # most samples have one shape of the named colour
 
 
 def test_horizontal_chart_bar_ends_at_its_value():
