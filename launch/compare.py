@@ -19,6 +19,10 @@ exit code is 1 when any run failed. The work is done by ntil_ds.comparison.
 `--tiny-model KIND[:SIZE]` and `--data TASK:N[:DIFFICULTY]` first write a tiny model folder and a
 synthetic dataset under `--out` and point the recipe at them (what the small recipes need on a fresh
 clone). The default test split is `test.jsonl` next to `data.train_file`.
+
+`--merge GRID [GRID ...] --out OUT` reads grids run apart as one (a grid extended later with more
+seeds, other losses run beside it on the same test split): their runs and curves in one results.json,
+table.md and plots under OUT, nothing trained again (ntil_ds.comparison.merge).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import sys
 from pathlib import Path
 
 from ntil_ds.comparison.grid import Comparison, plan_comparison, prepare_inputs
+from ntil_ds.comparison.merge import merge_comparisons
 from ntil_ds.comparison.results import parse_loss_specs, parse_seeds
 from ntil_ds.config import ConfigError
 from ntil_ds.jobs import REPO_ROOT
@@ -37,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--config", required=True, help="training recipe (configs/train/*.yaml)")
+    parser.add_argument("--config", help="training recipe (configs/train/*.yaml)")
     parser.add_argument("--losses", default="ce,emd,ntil,ntl", help="comma-separated loss.name values")
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated train.seed values")
     parser.add_argument("--out", help="output folder (default: outputs/compare/<recipe name>)")
@@ -51,7 +56,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "overrides", nargs="*", help="recipe overrides for every run, e.g. train.max_steps=50"
     )
+    parser.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="GRID",
+        help="instead of training: merge these grids' results into --out",
+    )
     args = parser.parse_args(argv)
+    if args.merge:
+        if args.config or args.overrides or args.tiny_model or args.data or not args.out:
+            parser.error("--merge reads finished grids: give it the grids' folders and --out, nothing else")
+        report = merge_comparisons([Path(g).resolve() for g in args.merge], Path(args.out).resolve())
+        print(f"{(Path(args.out) / 'table.md').read_text()}\nresults: {Path(args.out) / 'results.json'}")
+        return 1 if report["failed"] else 0
+    if not args.config:
+        parser.error("--config is required (or --merge GRID ... to read finished grids)")
     out = Path(args.out or REPO_ROOT / "outputs" / "compare" / Path(args.config).stem).resolve()
     specs, seeds = parse_loss_specs(args.losses), parse_seeds(args.seeds)
     out.mkdir(parents=True, exist_ok=True)

@@ -229,11 +229,9 @@ class Comparison:
         run.status = "ok"
 
     def write(self, parent_run_id: str) -> dict:
-        """results.json, table.md and comparison.png from the runs so far; returns the report."""
-        plan, runs = self.plan, self.runs
-        summary = summarize(runs, plan.metrics)
-        baseline = plan.baseline
-        report = {
+        """results.json, table.md and the plots from the runs so far; returns the report."""
+        plan = self.plan
+        header = {
             "name": plan.name,
             "recipe": str(plan.recipe),
             "command": plan.command,
@@ -243,27 +241,41 @@ class Comparison:
             "seeds": plan.seeds,
             "nproc": plan.nproc,
             "overrides": plan.base_overrides,
-            "metrics": list(plan.metrics),
-            "baseline": baseline,
-            "summary": summary,
-            "change_vs_baseline": {
-                label: change_vs(summary, label, baseline, plan.metrics[0]) for label in summary
-            },
-            "change_vs_baseline_error": {  # the standard error of each change (table.md's "± s.e.")
-                label: change_error(summary, label, baseline, plan.metrics[0]) for label in summary
-            },
-            "curves": score_curves(runs, plan.metrics),  # scores while training, per seed
-            "complete": len(runs) == len(plan.specs) * len(plan.seeds),
-            "runs": [asdict(r) for r in runs],
-            "failed": [f"{r.label} seed {r.seed}" for r in runs if r.status != "ok"],
+            "complete": len(self.runs) == len(plan.specs) * len(plan.seeds),
             "mlflow": {"uri": plan.uri, "experiment": plan.experiment, "parent_run_id": parent_run_id},
             "wall_s": time.perf_counter() - self.started,
         }
-        (plan.out / "results.json").write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
-        (plan.out / "table.md").write_text(table_markdown(runs, summary, plan.metrics, baseline))
         title = f"{plan.recipe.stem}: {plan.task}, seeds {','.join(map(str, plan.seeds))}"
-        plot_comparison(summary, plan.metrics, plan.out / "comparison.png", title, HIGHER_IS_BETTER)
-        plot_comparison_curves(
-            report["curves"], plan.metrics, plan.out / "curves.png", f"{title}: during training"
-        )
-        return report
+        return write_outputs(plan.out, self.runs, plan.metrics, plan.baseline, header, title)
+
+
+def write_outputs(
+    out: Path,
+    runs: list[RunResult],
+    metrics: tuple[str, ...],
+    baseline: str,
+    header: dict,
+    title: str,
+    table_note: str = "",
+) -> dict:
+    """results.json, table.md, comparison.png and curves.png of ``runs`` (what a grid rewrites after
+    every run, and what a merge of grids writes once); ``header``: what was run. Returns the report."""
+    summary = summarize(runs, metrics)
+    report = {
+        **header,
+        "metrics": list(metrics),
+        "baseline": baseline,
+        "summary": summary,
+        "change_vs_baseline": {label: change_vs(summary, label, baseline, metrics[0]) for label in summary},
+        "change_vs_baseline_error": {  # the standard error of each change (table.md's "± s.e.")
+            label: change_error(summary, label, baseline, metrics[0]) for label in summary
+        },
+        "curves": score_curves(runs, metrics),  # scores while training, per seed
+        "runs": [asdict(r) for r in runs],
+        "failed": [f"{r.label} seed {r.seed}" for r in runs if r.status != "ok"],
+    }
+    (out / "results.json").write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
+    (out / "table.md").write_text(table_markdown(runs, summary, metrics, baseline) + table_note)
+    plot_comparison(summary, metrics, out / "comparison.png", title, HIGHER_IS_BETTER)
+    plot_comparison_curves(report["curves"], metrics, out / "curves.png", f"{title}: during training")
+    return report

@@ -154,3 +154,64 @@ def test_the_plan_takes_uri_credentials_and_writes_none(tmp_path, monkeypatch):
         "trainer",
         "secret-pw",
     )
+
+
+def test_merge_reads_grids_run_apart_as_one(compare, tmp_path, capsys):
+    """Two grids written by the grid's own writer (seeds 0-1 of ce and ntil; seed 2 of both run later)
+    merged by ``launch/compare.py --merge``: the same summary, change and curves as one grid of all the
+    runs; a (loss, seed) in both grids, or another test split, is refused with what to do."""
+    import json
+
+    import launch.compare as cli
+    from ntil_ds.comparison.grid import write_outputs
+
+    def grid(name, seeds, values, test_split="data/test.jsonl", overrides=("train.max_steps=100",)):
+        out = tmp_path / name
+        runs = []
+        for seed in seeds:
+            for label in ("ce", "ntil"):
+                folder = out / "runs" / f"{label}-seed{seed}"
+                folder.mkdir(parents=True)
+                record = {"split": "generate", "step": 50, "abs_error": values[label, seed] + 10}
+                (folder / "metrics.jsonl").write_text(json.dumps(record) + "\n")
+                run = _run(compare, label, seed, abs_error=values[label, seed], parse_rate=1.0)
+                run.output_dir = str(folder)
+                runs.append(run)
+        header = {"name": name, "command": f"compare.py --seeds {seeds}", "task": "arithmetic"}
+        header |= {"test_split": test_split, "losses": ["ce", "ntil"], "seeds": seeds, "complete": True}
+        header |= {"recipe": "r.yaml", "nproc": 1, "overrides": list(overrides)}
+        write_outputs(out, runs, ("abs_error", "parse_rate"), "ce", header, name)
+        return out, runs
+
+    values = {("ce", 0): 10.0, ("ce", 1): 14.0, ("ce", 2): 12.0, ("ntil", 0): 6.0, ("ntil", 1): 9.0}
+    values[("ntil", 2)] = 3.0
+    first, runs_first = grid("first", [0, 1], values)
+    later, runs_later = grid("later", [2], values, overrides=("train.max_steps=100", "optim.lr=1e-3"))
+    merged = tmp_path / "merged"
+    assert cli.main(["--merge", str(first), str(later), "--out", str(merged)]) == 0
+    report = json.loads((merged / "results.json").read_text())
+    all_runs = runs_first + runs_later
+    assert report["summary"] == json.loads(
+        json.dumps(compare.summarize(all_runs, ("abs_error", "parse_rate")))
+    )
+    assert report["summary"]["ntil"]["abs_error"] == {"mean": 6.0, "std": 3.0, "n": 3}
+    assert report["change_vs_baseline"]["ntil"] == pytest.approx(6.0 / 12.0 - 1)
+    assert report["curves"]["ntil"]["abs_error"] == {"50": [16.0, 19.0, 13.0]}  # every seed's curve
+    assert report["seeds"] == [0, 1, 2] and report["losses"] == ["ce", "ntil"]
+    assert report["recipe_differences"] == {str(later): "only it has optim.lr=1e-3"}
+    table = (merged / "table.md").read_text()
+    assert "| ntil | 3/3 | 6 ± 3 |" in table and "- ntil: 6 (seed 0), 9 (seed 1), 3 (seed 2)" in table
+    assert f"- {first} (compare.py --seeds [0, 1])" in table and "only it has optim.lr=1e-3" in table
+    assert (merged / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    assert "| ntil | 3/3 |" in capsys.readouterr().out
+
+    with pytest.raises(SystemExit, match="ce seed 2 is in both .* distinct"):
+        cli.main(["--merge", str(first), str(later), str(later), "--out", str(tmp_path / "twice")])
+    other, _ = grid("other", [5], {("ce", 5): 1.0, ("ntil", 5): 1.0}, test_split="data/other.jsonl")
+    with pytest.raises(SystemExit, match="test_split is 'data/other.jsonl'.* same test split"):
+        cli.main(["--merge", str(first), str(other), "--out", str(tmp_path / "mixed")])
+    with pytest.raises(SystemExit, match="holds no results.json"):
+        cli.main(["--merge", str(tmp_path / "nowhere"), "--out", str(tmp_path / "none")])
+    with pytest.raises(SystemExit):  # argparse's usage error: --merge takes folders and --out only
+        cli.main(["--merge", str(first), "--config", "r.yaml", "--out", str(tmp_path / "x")])
+    assert "--merge reads finished grids" in capsys.readouterr().err
