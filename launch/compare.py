@@ -66,8 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.merge:
         if args.config or args.overrides or args.tiny_model or args.data or not args.out:
             parser.error("--merge reads finished grids: give it the grids' folders and --out, nothing else")
-        report = merge_comparisons([Path(g).resolve() for g in args.merge], Path(args.out).resolve())
-        print(f"{(Path(args.out) / 'table.md').read_text()}\nresults: {Path(args.out) / 'results.json'}")
+        merged = Path(args.out).resolve()
+        report = merge_comparisons([Path(g).resolve() for g in args.merge], merged)
+        print(f"{(merged / 'table.md').read_text()}\nresults: {merged / 'results.json'}")
         return 1 if report["failed"] else 0
     if not args.config:
         parser.error("--config is required (or --merge GRID ... to read finished grids)")
