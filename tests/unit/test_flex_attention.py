@@ -1,13 +1,17 @@
 """flex_attention on packed rows is exact: each document sees only itself, as sdpa's block-diagonal mask does.
 
 transformers 5.24 builds flex_attention's BlockMask from the packed ``position_ids`` (restarting at 0 per
-sample, no ``attention_mask``: `ntil_ds.data.packing`) with ``create_block_mask`` and runs
-``torch.compile(flex_attention)``; both compile on CPU with inductor. torch 2.13's FlexAttention has no
-backward on CPU, so these tests run the forward only (the gradients are measured on a GPU by
-``python -m benchmarks.attention_speed --device cuda``). The Qwen-VL classes do not support
+sample, no ``attention_mask``: `ntil_ds.data.packing`) and calls flex_attention through
+``torch.compile``. What these tests check is the project's part: that the boundaries PackedCollator writes
+reach flex_attention's mask as one causal block per document. transformers' compiled flex_attention is
+swapped for torch's eager one (its reference implementation; the BlockMask is still transformers'), not
+inductor's compiled CPU kernel: torch 2.13's compiled CPU flex forward is wrong on CPUs without
+AVX-512 (a CI machine without it got 0.9 % of the outputs wrong and NaN logits; reproduced here with
+``ATEN_CPU_CAPABILITY=avx2`` or ``default``), and it is not a path this project runs: training with
+flex_attention is refused on CPU (torch 2.13 has no FlexAttention backward there,
+`ntil_ds.model.loading`). The compiled GPU kernel is measured by
+``python -m benchmarks.attention_speed --device cuda``. The Qwen-VL classes do not support
 flex_attention in transformers 5.24 (``_supports_flex_attn`` is False): the model here is the tiny Qwen2.
-Both tests run the same attention shapes (the tiny model's heads on the same packed rows), so flex_attention
-and the mask compile once for the two (~15 s on 2 cores).
 """
 
 from __future__ import annotations
@@ -23,6 +27,16 @@ from ntil_ds.data.packing import PACKING_KEYS, PackedCollator
 from ntil_ds.loss import NTILLoss, digit_token_ids_from_tokenizer
 from ntil_ds.tiny import build_tiny_model_folder
 from tests.unit.test_packing import _text_only_data
+
+
+@pytest.fixture
+def reference_flex(monkeypatch):
+    """transformers' flex path calling torch's reference flex_attention, not its torch.compile'd one (the
+    module docstring says why not inductor's CPU kernel)."""
+    from torch.nn.attention.flex_attention import flex_attention
+    from transformers.integrations.flex_attention import WrappedFlexAttention
+
+    monkeypatch.setattr(WrappedFlexAttention, "__call__", lambda self: flex_attention)
 
 
 def segments_of(positions: torch.Tensor) -> list[list[int]]:
@@ -77,9 +91,9 @@ def packed_qwen2(tmp_path_factory):
     return folder, processor, samples, packed, models
 
 
-def test_flex_kernel_on_packed_rows_equals_per_document_attention(packed_qwen2):
-    """transformers' flex path (its BlockMask from PackedCollator's position ids, its compiled
-    flex_attention) with the tiny Qwen2's GQA heads: equal to each segment's attention alone."""
+def test_flex_kernel_on_packed_rows_equals_per_document_attention(packed_qwen2, reference_flex):
+    """transformers' flex path (its BlockMask from PackedCollator's position ids, its flex_attention call)
+    with the tiny Qwen2's GQA heads: equal to each segment's attention alone."""
     from transformers import AutoConfig
     from transformers.integrations.flex_attention import flex_attention_forward
     from transformers.masking_utils import create_causal_mask
@@ -106,7 +120,7 @@ def test_flex_kernel_on_packed_rows_equals_per_document_attention(packed_qwen2):
         torch.randn(batch, width, kv_heads, head_dim, generator=generator).transpose(1, 2) for _ in range(2)
     )
     scale = head_dim**-0.5
-    with torch.no_grad():  # as the model test runs it: one compile serves both
+    with torch.no_grad():
         out, _ = flex_attention_forward(nn.Module().eval(), q, k, v, block_mask, scaling=scale)
     expected = per_document_attention(q, k, v, segments_of(positions), scale).transpose(1, 2)  # [B, T, H, D]
     # fp32 against float64: attention reaching one token of another segment differs by ~1e-1
@@ -122,7 +136,7 @@ def _forward(model, loss_fn, batch: dict, packed: bool):
     return logits, loss_fn(logits, batch["targets"], unpack_index=batch.get("unpack_index"))
 
 
-def test_tiny_qwen2_flex_equals_sdpa_and_unpacked_on_a_packed_batch(packed_qwen2):
+def test_tiny_qwen2_flex_equals_sdpa_and_unpacked_on_a_packed_batch(packed_qwen2, reference_flex):
     """A real Qwen2ForCausalLM built with flex_attention: on the packed micro-batch, the logits and
     NTILLoss's outputs equal sdpa's on the same rows and each sample's own unpacked forward."""
     _, processor, samples, packed, models = packed_qwen2
