@@ -237,11 +237,15 @@ class TrainingEngine:
 
     def grad_norm(self) -> torch.Tensor:
         """Norm of the gradients of the last optimizer step, before clipping (NaN if unknown), as a 0-dim
-        tensor where DeepSpeed left it: reading it is the caller's choice of sync point."""
+        tensor on the engine's device: reading it is the caller's choice of sync point."""
         norm = self.engine.get_global_grad_norm()
         if isinstance(norm, torch.Tensor):
-            return norm.detach().reshape(())
-        return torch.tensor(float("nan") if norm is None else float(norm), dtype=torch.float64)
+            return norm.detach().reshape(()).to(self.engine.device)
+        # ZeRO-1/2/3 leave a Python float (inf) on an overflow step, None when they skip the norm: made on
+        # the engine's device, as the step's other values are, or `read_to_host` would mix devices on a GPU
+        # exactly on the non-finite step whose report it exists for.
+        value = float("nan") if norm is None else float(norm)
+        return torch.tensor(value, dtype=torch.float64, device=self.engine.device)
 
     # -- checkpoints and export -------------------------------------------------------------------------
 
