@@ -10,6 +10,7 @@ import logging
 import math
 import os
 import resource
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ from ntil_ds.dist import (
     make_host_group,
     make_peer_check_group,
 )
+from ntil_ds.ds_config import optimizer_build_problem
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +119,17 @@ def peak_memory_mib(device: torch.device) -> float:
 # The engine
 
 
+def _find_build_tool(name: str) -> str | None:
+    """A build tool's path, nvcc also under torch's CUDA_HOME (where DeepSpeed's builders look)."""
+    found = shutil.which(name)
+    if found is None and name == "nvcc":
+        from torch.utils.cpp_extension import CUDA_HOME
+
+        candidate = Path(CUDA_HOME or "/nonexistent") / "bin" / "nvcc"
+        found = str(candidate) if candidate.is_file() else None
+    return found
+
+
 class TrainingEngine:
     """A thin wrapper over ``deepspeed.DeepSpeedEngine`` that speaks the trainer's language.
 
@@ -142,6 +155,12 @@ class TrainingEngine:
                 ),
             )
 
+        if get_accelerator().device_name() != "cpu":  # the CPU runs use prebuilt ops (TORCH_EXTENSIONS_DIR)
+            from deepspeed.git_version_info import installed_ops
+
+            problem = optimizer_build_problem(ds_config, installed_ops, _find_build_tool)
+            if problem:
+                raise ConfigError(problem)
         self.engine, _, _, _ = deepspeed.initialize(
             model=model,
             model_parameters=trainable,
