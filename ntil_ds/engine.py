@@ -130,6 +130,19 @@ def _find_build_tool(name: str) -> str | None:
     return found
 
 
+def check_optimizer_build(ds_config: dict[str, Any]) -> None:
+    """A ConfigError, with the fix, when `deepspeed.initialize` would have to JIT-compile the optimizer's
+    op on this accelerator without the tools to (`ds_config.optimizer_build_problem`). Not on the CPU,
+    where the project's runs use ops built once (TORCH_EXTENSIONS_DIR)."""
+    if get_accelerator().device_name() == "cpu":
+        return
+    from deepspeed.git_version_info import installed_ops
+
+    problem = optimizer_build_problem(ds_config, installed_ops, _find_build_tool)
+    if problem:
+        raise ConfigError(problem)
+
+
 class TrainingEngine:
     """A thin wrapper over ``deepspeed.DeepSpeedEngine`` that speaks the trainer's language.
 
@@ -155,12 +168,7 @@ class TrainingEngine:
                 ),
             )
 
-        if get_accelerator().device_name() != "cpu":  # the CPU runs use prebuilt ops (TORCH_EXTENSIONS_DIR)
-            from deepspeed.git_version_info import installed_ops
-
-            problem = optimizer_build_problem(ds_config, installed_ops, _find_build_tool)
-            if problem:
-                raise ConfigError(problem)
+        check_optimizer_build(ds_config)  # the trainer checks before building the model; others here
         self.engine, _, _, _ = deepspeed.initialize(
             model=model,
             model_parameters=trainable,

@@ -96,3 +96,22 @@ def test_the_build_check_names_the_missing_tools_and_the_fix(monkeypatch, tmp_pa
     assert "optim.name=adamw_torch optim.fused=true" in problem
     assert optimizer_build_problem(merged, {**NO_OPS_BUILT, op: True}, nowhere) is None  # prebuilt
     assert optimizer_build_problem(merged, NO_OPS_BUILT, lambda tool: f"/usr/bin/{tool}") is None
+
+
+def test_the_engine_refuses_an_unbuildable_op_on_an_accelerator_only(monkeypatch, tmp_path):
+    """`check_optimizer_build` (called by the trainer before the model is built, and before
+    `deepspeed.initialize`): on a GPU accelerator (a stand-in: this machine has none) with no build tools
+    on PATH, adamw is refused and the GPU recipe's optimizer passes; on the CPU accelerator nothing is."""
+    from types import SimpleNamespace
+
+    from ntil_ds import engine
+
+    monkeypatch.chdir(REPO_ROOT)
+    adamw = merged_for(GPU_RECIPES[0], "optim.name=adamw", "optim.fused=false")
+    engine.check_optimizer_build(adamw)  # DS_ACCELERATOR=cpu: the CPU runs' ops are prebuilt
+    monkeypatch.setattr(engine, "get_accelerator", lambda: SimpleNamespace(device_name=lambda: "cuda"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr("torch.utils.cpp_extension.CUDA_HOME", None)
+    with pytest.raises(ConfigError, match=r"missing here: ninja, (nvcc|c\+\+)\. Use optim.name=adamw_torch"):
+        engine.check_optimizer_build(adamw)
+    engine.check_optimizer_build(merged_for(GPU_RECIPES[0]))
