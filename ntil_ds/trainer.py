@@ -45,7 +45,7 @@ from ntil_ds.data.packing import PackedCollator
 from ntil_ds.data.steps import StepBatches, step_loader
 from ntil_ds.dist import DistInfo, all_reduce_host_sums, all_reduce_sums, leave_process_group, read_to_host
 from ntil_ds.ds_config import write_deepspeed_config
-from ntil_ds.engine import TrainingEngine, device_for, peak_memory_mib
+from ntil_ds.engine import TrainingEngine, check_optimizer_build, device_for, peak_memory_mib
 from ntil_ds.evaluation.numeric import NumericEval
 from ntil_ds.evaluation.teacher_forced import TeacherForcedEval
 from ntil_ds.export import export_hf_folder
@@ -95,6 +95,9 @@ class Trainer:
         self.output_dir = Path(cfg.output_dir)
         self.grad_accum = gradient_accumulation_steps(cfg, dist_info.dp_size)
         self.device = device_for(dist_info.local_rank)
+        check_optimizer_build(
+            ds_config
+        )  # an optimizer op that cannot be built fails now, not after the model
         # Which checkpoint to continue, decided by rank 0 for all, and checked against this recipe before
         # anything is built or written: a different recipe must not silently continue another run.
         checkpoint = agree_on_resume_checkpoint(cfg.resume, self.output_dir, dist_info)
