@@ -20,6 +20,7 @@ import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ntil_ds.comparison.paired import EVAL_FILE, paired_markdown, paired_metrics, paired_report
 from ntil_ds.comparison.results import (
     RunResult,
     change_error,
@@ -175,6 +176,7 @@ class Comparison:
                 if p.is_file()
             ],
             any_failed=bool(report["failed"]),
+            extra_metrics=paired_metrics(report["paired"]),
         )
         print(
             f"\n{(plan.out / 'table.md').read_text()}\nresults: {plan.out / 'results.json'}\n"
@@ -219,7 +221,7 @@ class Comparison:
         started = time.perf_counter()
         try:
             report = score_exported_model(run_dir / "export", plan.test_split, plan.task, batch_size=32)
-            write_report(report, run_dir / "eval_test.json")
+            write_report(report, run_dir / EVAL_FILE)
         except Exception as e:  # one bad run must not end the comparison
             run.status, run.stage = "failed", "evaluate"
             run.error = "".join(traceback.format_exception_only(type(e), e)).strip()
@@ -270,12 +272,19 @@ def write_outputs(
         "change_vs_baseline_error": {  # the standard error of each change (table.md's "± s.e.")
             label: change_error(summary, label, baseline, metrics[0]) for label in summary
         },
+        # each loss against the baseline, seed by seed (comparison.paired; the table's second section)
+        "paired": paired_report(runs, metrics, baseline, header["task"]),
         "curves": score_curves(runs, metrics),  # scores while training, per seed
         "runs": [asdict(r) for r in runs],
         "failed": [f"{r.label} seed {r.seed}" for r in runs if r.status != "ok"],
     }
     (out / "results.json").write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
-    (out / "table.md").write_text(table_markdown(runs, summary, metrics, baseline) + table_note)
-    plot_comparison(summary, metrics, out / "comparison.png", title, HIGHER_IS_BETTER)
+    table = (
+        table_markdown(runs, summary, metrics, baseline)
+        + "\n"
+        + paired_markdown(report["paired"], metrics[0], baseline)
+    )
+    (out / "table.md").write_text(table + table_note)
+    plot_comparison(summary, metrics, out / "comparison.png", title, HIGHER_IS_BETTER, report["paired"])
     plot_comparison_curves(report["curves"], metrics, out / "curves.png", f"{title}: during training")
     return report

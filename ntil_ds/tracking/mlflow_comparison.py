@@ -46,9 +46,14 @@ class ComparisonRuns:
             if isinstance(value, (int, float)) and math.isfinite(value):
                 self.client.log_metric(child, metric_key(f"test/{name}"), float(value))
 
-    def finish(self, summary: dict, artifacts: list[Path], any_failed: bool) -> None:
-        """The summary (``{label usable in a key: {metric: {"mean", "std"}}}``) and the grid's files into
-        the parent run, which then ends."""
+    def finish(
+        self, summary: dict, artifacts: list[Path], any_failed: bool, extra_metrics: dict | None = None
+    ) -> None:
+        """The summary (``{label usable in a key: {metric: {"mean", "std"}}}``), ``extra_metrics`` (the
+        paired statistics, flat) and the grid's files into the parent run, which then ends."""
+        for key, value in (extra_metrics or {}).items():
+            if isinstance(value, (int, float)) and math.isfinite(value):
+                self.client.log_metric(self.parent, metric_key(key), float(value))
         for label, stats in summary.items():
             for name, s in stats.items():
                 for what in ("mean", "std"):

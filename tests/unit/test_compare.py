@@ -61,9 +61,10 @@ def test_summary_mean_std_change_and_failed_runs(compare):
     assert compare.change_vs(summary, "ntil", "ce", "abs_error") == pytest.approx(7.5 / 12 - 1)
     table = compare.table_markdown(runs, summary, metrics, "ce")
     assert "| ce | 2/2 | 12 ± 2.8 | 0.75 ± 0.35 | 10.5 ± 0.71 |  |" in table
-    # the change's standard error: sqrt(4.5 / 2 + 8 / 2) / 12 (ntil's values 6, 9; ce's 10, 14)
-    assert compare.change_error(summary, "ntil", "ce", "abs_error") == pytest.approx(math.sqrt(6.25) / 12)
-    assert "| ntil | 2/3 | 7.5 ± 2.1 |" in table and "| -37.5% ± 20.8% | 2/2 |" in table
+    # the change's delta-method standard error (ntil's values 6, 9: se^2 4.5 / 2; ce's 10, 14: se^2 8 / 2):
+    # sqrt(2.25 / 12^2 + 7.5^2 * 4 / 12^4) = sqrt(0.015625 + 0.0108507) = 0.16271
+    assert compare.change_error(summary, "ntil", "ce", "abs_error") == pytest.approx(0.1627135, abs=1e-6)
+    assert "| ntil | 2/3 | 7.5 ± 2.1 |" in table and "| -37.5% ± 16.3% | 2/2 |" in table
     assert "- ntil: 6 (seed 0), 9 (seed 1)" in table  # per seed, the failed one left out there
     assert compare.seeds_better_than(runs, "ntil", 8.0, "abs_error") == (1, 2)  # 6 beats 8, 9 does not
     assert compare.seeds_better_than(runs, "ce", 0.9, "parse_rate") == (1, 2)  # higher is better there
