@@ -54,6 +54,13 @@ def main(argv: list[str] | None = None) -> int:
         "--data", help="first write synthetic data: TASK:N[:DIFFICULTY], e.g. arithmetic:4000:easy"
     )
     parser.add_argument(
+        "--shuffled-n",
+        type=int,
+        default=200,
+        help="test items of the shuffled-input check (each export shown other items' images; image "
+        "tasks only; 0 turns it off)",
+    )
+    parser.add_argument(
         "overrides", nargs="*", help="recipe overrides for every run, e.g. train.max_steps=50"
     )
     parser.add_argument(
@@ -86,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
             test_split=Path(args.test) if args.test else None,
             task=args.task,
             command=" ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+            shuffled_n=args.shuffled_n,
         )
         report = Comparison(plan).run()
     except ConfigError as e:

@@ -20,6 +20,13 @@ import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ntil_ds.comparison.controls import (
+    SHUFFLED_FILE,
+    control_scores,
+    controls_markdown,
+    shuffled_chance,
+    write_shuffled_split,
+)
 from ntil_ds.comparison.paired import EVAL_FILE, paired_markdown, paired_metrics, paired_report
 from ntil_ds.comparison.results import (
     RunResult,
@@ -69,6 +76,8 @@ class ComparisonPlan:
     nproc: int
     base_overrides: list[str]  # for every run, after the recipe
     test_split: Path
+    train_split: Path  # the answer-ignoring constants come from it; a test item in it is refused
+    shuffled_n: int  # items of the shuffled-input check (image tasks); 0: none
     task: str
     metrics: tuple[str, ...]  # shown; the first is the numeric error the comparison is about
     uri: str  # MLflow
@@ -98,6 +107,7 @@ def plan_comparison(
     test_split: Path | None,
     task: str | None,
     command: str,
+    shuffled_n: int = 200,
 ) -> ComparisonPlan:
     """Check the recipe once (a bad recipe or override fails here, not in every job) and fix the plan."""
     cfg = load_config(recipe, overrides)
@@ -115,6 +125,8 @@ def plan_comparison(
         # URI below, clean, and inherit the credentials through the environment).
         base_overrides=[redact_uri(override) for override in overrides],
         test_split=test,
+        train_split=Path(cfg.data.train_file),
+        shuffled_n=shuffled_n,
         task=task,
         metrics=metrics_shown(task),
         # Credentials in the URI go into this process's environment, which every job inherits.
@@ -132,6 +144,25 @@ class Comparison:
     plan: ComparisonPlan
     runs: list[RunResult] = field(default_factory=list)
     started: float = field(default_factory=time.perf_counter)
+    controls: dict | None = None
+
+    def prepare_controls(self) -> dict | None:
+        """The constants scored on the test split, and the shuffled split with its chance level (written
+        once, before the first job: every export is scored on the same one)."""
+        plan = self.plan
+        try:
+            controls = control_scores(plan.task, plan.train_split, plan.test_split)
+        except (ValueError, OSError) as e:  # user data the constants cannot be made from: said, not fatal
+            print(f"note: no answer-ignoring controls ({e})", flush=True)
+            return None
+        shuffled = plan.shuffled_n > 0 and write_shuffled_split(
+            plan.test_split, plan.out / SHUFFLED_FILE, plan.shuffled_n
+        )
+        if shuffled:
+            controls["shuffled"] = shuffled | {
+                "chance": shuffled_chance(plan.task, plan.test_split, shuffled)
+            }
+        return controls
 
     def run(self) -> dict:
         """Every (loss, seed), seed-major (a grid cut short still has every loss for the first seeds);
@@ -154,6 +185,7 @@ class Comparison:
         total = len(plan.specs) * len(plan.seeds)
         grid = f"{len(plan.specs)} losses x {len(plan.seeds)} seeds on {plan.task}"
         print(f"comparison {plan.name}: {grid}; MLflow {plan.uri}", flush=True)
+        self.controls = self.prepare_controls()
         report = {}
         for seed in plan.seeds:
             for label, loss, loss_overrides in plan.specs:
@@ -226,9 +258,19 @@ class Comparison:
             run.status, run.stage = "failed", "evaluate"
             run.error = "".join(traceback.format_exception_only(type(e), e)).strip()
             return
-        run.eval_s = time.perf_counter() - started
         run.metrics = report["metrics"]
         run.status = "ok"
+        shuffled = (self.controls or {}).get("shuffled")
+        if shuffled:  # the same export on the shuffled split: does it read its images?
+            try:
+                report = score_exported_model(
+                    run_dir / "export", Path(shuffled["path"]), plan.task, batch_size=32
+                )
+                write_report(report, run_dir / "eval_shuffled.json")  # NaN scores become None there
+                run.shuffled = report["metrics"]
+            except Exception as e:  # the check is a control: its failure is recorded, the run stands
+                run.shuffled = {"error": "".join(traceback.format_exception_only(type(e), e)).strip()}
+        run.eval_s = time.perf_counter() - started
 
     def write(self, parent_run_id: str) -> dict:
         """results.json, table.md and the plots from the runs so far; returns the report."""
@@ -239,6 +281,8 @@ class Comparison:
             "command": plan.command,
             "task": plan.task,
             "test_split": str(plan.test_split),
+            "train_split": str(plan.train_split),
+            "controls": self.controls,
             "losses": [label for label, _, _ in plan.specs],
             "seeds": plan.seeds,
             "nproc": plan.nproc,
@@ -279,10 +323,12 @@ def write_outputs(
         "failed": [f"{r.label} seed {r.seed}" for r in runs if r.status != "ok"],
     }
     (out / "results.json").write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
-    table = (
-        table_markdown(runs, summary, metrics, baseline)
-        + "\n"
-        + paired_markdown(report["paired"], metrics[0], baseline)
+    table = "\n".join(
+        [
+            table_markdown(runs, summary, metrics, baseline),
+            paired_markdown(report["paired"], metrics[0], baseline),
+            controls_markdown(header.get("controls"), runs, summary, metrics),
+        ]
     )
     (out / "table.md").write_text(table + table_note)
     plot_comparison(summary, metrics, out / "comparison.png", title, HIGHER_IS_BETTER, report["paired"])

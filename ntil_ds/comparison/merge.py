@@ -64,6 +64,8 @@ def merge_comparisons(grids: list[Path], out: Path) -> dict:
         "name": f"merge-{time.strftime('%Y%m%d-%H%M%S')}",
         "task": first["task"],
         "test_split": first["test_split"],
+        "train_split": first.get("train_split"),
+        "controls": first.get("controls"),  # the same test split: the first grid's controls hold for all
         "losses": labels,
         "seeds": seeds,
         "complete": all(report.get("complete", False) for report in reports),

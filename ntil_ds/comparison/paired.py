@@ -56,7 +56,7 @@ def _bootstrap(pairs: list[tuple[RunResult, RunResult]], task: str, metric: str,
         for run in (base, other):
             path = Path(run.output_dir) / EVAL_FILE
             if not path.is_file():
-                return f"not run: {path} is missing"
+                return f"not run: {run.label} seed {run.seed} has no {EVAL_FILE}"
             rows.append(json.loads(path.read_text())["samples"])
         if [r["reference"] for r in rows[0]] != [r["reference"] for r in rows[1]]:
             return f"not run: seed {base.seed}'s two runs were scored on different test items"

@@ -30,6 +30,7 @@ class RunResult:
     train_s: float | None = None
     eval_s: float | None = None
     metrics: dict[str, Any] = field(default_factory=dict)
+    shuffled: dict[str, Any] = field(default_factory=dict)  # scores on the shuffled-input check, if run
     mlflow_run_id: str | None = None
 
 
