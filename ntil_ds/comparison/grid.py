@@ -37,6 +37,7 @@ from ntil_ds.comparison.results import (
     summarize,
     table_markdown,
 )
+from ntil_ds.comparison.splits import refuse_overlap, split_hash
 from ntil_ds.config import ConfigError, load_config, redact_uri
 from ntil_ds.data.synthetic import write_dataset
 from ntil_ds.evaluation.generate import score_exported_model, task_of, write_report
@@ -76,6 +77,7 @@ class ComparisonPlan:
     nproc: int
     base_overrides: list[str]  # for every run, after the recipe
     test_split: Path
+    test_split_sha256: str  # of its bytes and its images' (comparison.splits): what a merge compares
     train_split: Path  # the answer-ignoring constants come from it; a test item in it is refused
     shuffled_n: int  # items of the shuffled-input check (image tasks); 0: none
     task: str
@@ -115,6 +117,9 @@ def plan_comparison(
     if not test.is_file():
         raise SystemExit(f"test split {test} does not exist; give --test FILE (a JSONL of the task)")
     task = task or task_of(test)
+    train = Path(cfg.data.train_file)
+    if train.is_file():  # a missing one fails in the first job, with the trainer's own message
+        refuse_overlap(test, [train])
     return ComparisonPlan(
         recipe=recipe,
         out=out,
@@ -125,7 +130,8 @@ def plan_comparison(
         # URI below, clean, and inherit the credentials through the environment).
         base_overrides=[redact_uri(override) for override in overrides],
         test_split=test,
-        train_split=Path(cfg.data.train_file),
+        test_split_sha256=split_hash(test),
+        train_split=train,
         shuffled_n=shuffled_n,
         task=task,
         metrics=metrics_shown(task),
@@ -281,6 +287,7 @@ class Comparison:
             "command": plan.command,
             "task": plan.task,
             "test_split": str(plan.test_split),
+            "test_split_sha256": plan.test_split_sha256,
             "train_split": str(plan.train_split),
             "controls": self.controls,
             "losses": [label for label, _, _ in plan.specs],

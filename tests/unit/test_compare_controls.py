@@ -3,6 +3,7 @@ constants against a brute force over every candidate with the scoring's own func
 split item by item, and its chance level against what a model that reads the image it is shown scores."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -113,3 +114,23 @@ def test_the_table_carries_the_controls(clocks, tmp_path):
     assert f"| ce | 150.5 ± 0.71 (2 runs) | 90.5 | {chance:.4g} |" in table
     assert json.loads((tmp_path / "results.json").read_text())["controls"] == json.loads(json.dumps(scored))
     assert report["paired"]["ntil"]["clock_dev_minutes"]["difference"]["mean"] == 0
+
+
+def test_split_hash_covers_the_images_and_items_are_hashed_by_content(clocks, tmp_path):
+    """A test split drawn again at the same path (same JSONL bytes, other images) is another split;
+    a copy elsewhere is the same; one draw's splits share no item."""
+    import shutil
+
+    from ntil_ds.comparison.splits import item_hashes, split_hash
+
+    folder = Path(clocks["test"]).parent
+    copy = tmp_path / "copy"
+    shutil.copytree(folder, copy)
+    assert split_hash(copy / "test.jsonl") == split_hash(clocks["test"])
+    assert item_hashes(copy / "test.jsonl").keys() == item_hashes(clocks["test"]).keys()
+    first, second = sorted((copy / "images" / "test").iterdir())[:2]
+    shutil.copy(second, first)  # one image redrawn, the JSONL untouched
+    assert (copy / "test.jsonl").read_bytes() == Path(clocks["test"]).read_bytes()
+    assert split_hash(copy / "test.jsonl") != split_hash(clocks["test"])
+    assert len(item_hashes(copy / "test.jsonl").keys() & item_hashes(clocks["test"]).keys()) == 5
+    assert not item_hashes(clocks["test"]).keys() & item_hashes(clocks["train"]).keys()
