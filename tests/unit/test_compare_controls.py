@@ -134,3 +134,59 @@ def test_split_hash_covers_the_images_and_items_are_hashed_by_content(clocks, tm
     assert split_hash(copy / "test.jsonl") != split_hash(clocks["test"])
     assert len(item_hashes(copy / "test.jsonl").keys() & item_hashes(clocks["test"]).keys()) == 5
     assert not item_hashes(clocks["test"]).keys() & item_hashes(clocks["train"]).keys()
+
+
+def test_the_grid_prepares_the_controls_and_an_export_reads_the_shuffled_split(clocks, tmp_path):
+    """What ``Comparison.run`` does before its first job, on a clock recipe: the constants and the
+    shuffled split with its chance; then what it does after each job's scoring: the export scored on
+    that split by the real evaluation (a random tiny Qwen2-VL here: the file must load and generate)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from ntil_ds.comparison.grid import Comparison, plan_comparison
+    from ntil_ds.evaluation.generate import score_exported_model
+    from ntil_ds.jobs import REPO_ROOT
+    from ntil_ds.tiny import build_tiny_model_folder
+
+    (tmp_path / "out").mkdir()
+    plan = plan_comparison(
+        REPO_ROOT / "configs" / "train" / "tiny_qwen2vl_clock.yaml",
+        tmp_path / "out",
+        [("ce", "ce", ["loss.name=ce"])],
+        [0],
+        nproc=1,
+        overrides=[f"data.train_file={clocks['train']}", f"tracking.uri=sqlite:///{tmp_path / 'm.db'}"],
+        test_split=Path(clocks["test"]),
+        task=None,
+        command="compare.py",
+        shuffled_n=4,
+    )
+    prepared = Comparison(plan).prepare_controls()
+    assert (
+        prepared["constants"]
+        == controls.control_scores("clock", clocks["train"], clocks["test"])["constants"]
+    )
+    shuffled = prepared["shuffled"]
+    assert shuffled["n"] == 4 and shuffled["path"] == str(tmp_path / "out" / controls.SHUFFLED_FILE)
+    assert shuffled["chance"] == controls.shuffled_chance("clock", clocks["test"], shuffled)
+    folder = build_tiny_model_folder("qwen2_vl", tmp_path / "model")
+    torch.manual_seed(0)
+    AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(folder)).save_pretrained(folder)
+    report = score_exported_model(folder, Path(shuffled["path"]), "clock", batch_size=4, max_new_tokens=6)
+    assert report["metrics"]["n"] == 4
+    references = [row["reference"] for row in report["samples"]]
+    assert references == controls.answers(clocks["test"])[:4]  # scored against each item's own answer
+    # off: no shuffled split
+    off = plan_comparison(
+        plan.recipe,
+        plan.out,
+        plan.specs,
+        [0],
+        nproc=1,
+        overrides=[f"data.train_file={clocks['train']}", f"tracking.uri=sqlite:///{tmp_path / 'm.db'}"],
+        test_split=Path(clocks["test"]),
+        task=None,
+        command="compare.py",
+        shuffled_n=0,
+    )
+    assert "shuffled" not in Comparison(off).prepare_controls()
