@@ -17,6 +17,7 @@ import os
 import time
 from pathlib import Path
 
+from ntil_ds.comparison.controls import control_scores
 from ntil_ds.comparison.grid import write_outputs
 from ntil_ds.comparison.paired import paired_metrics
 from ntil_ds.comparison.results import RunResult, slug
@@ -74,7 +75,8 @@ def merge_comparisons(grids: list[Path], out: Path) -> dict:
         "test_split": first["test_split"],
         "test_split_sha256": test_hash,
         "train_split": first.get("train_split"),
-        "controls": first.get("controls"),  # the same test split: the first grid's controls hold for all
+        # the same test split: the first grid's controls hold for all (made now for a grid that has none)
+        "controls": first.get("controls") or _constants_now(first),
         "losses": labels,
         "seeds": seeds,
         "complete": all(report.get("complete", False) for report in reports),
@@ -135,6 +137,19 @@ def _same_test_items(grids: list[Path], reports: list[dict]) -> str:
                 "scored on the same test items are one comparison"
             )
     return hashes[0]
+
+
+def _constants_now(report: dict) -> dict | None:
+    """The answer-ignoring constants of a grid written before they were recorded, from its splits as
+    they are now (the shuffled check needs every export run again: not made here)."""
+    train, test = _train_split(report), Path(report["test_split"])
+    if not train or not Path(train).is_file() or not test.is_file():
+        return None
+    try:
+        return control_scores(report["task"], Path(train), test)
+    except ValueError as e:
+        print(f"note: no answer-ignoring controls ({e})", flush=True)
+        return None
 
 
 def _train_split(report: dict) -> str | None:

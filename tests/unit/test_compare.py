@@ -221,6 +221,9 @@ def test_merge_reads_grids_run_apart_as_one(compare, tmp_path, capsys):
     assert report["seeds"] == [0, 1, 2] and report["losses"] == ["ce", "ntil"]
     assert report["recipe_differences"] == {str(later): "only it has optim.lr=1e-3"}
     assert report["test_split_sha256"] == split_hash(data["test"])
+    # grids written before the controls were recorded: the constants are made now from their splits
+    assert report["controls"]["train_split"] == str(data["train"])
+    assert "| best constant (train median) |" in (merged / "table.md").read_text()
     table = (merged / "table.md").read_text()
     assert "| ntil | 3/3 | 6 ± 3 |" in table and "- ntil: 6 (seed 0), 9 (seed 1), 3 (seed 2)" in table
     assert f"- {first} (compare.py --seeds [0, 1])" in table and "only it has optim.lr=1e-3" in table
