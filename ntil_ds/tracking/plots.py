@@ -194,7 +194,7 @@ def _paired_panel(ax, paired: dict, metric: str, labels: list[str]) -> None:
     ax.axhline(0, color="black", linewidth=0.8)
     ax.set_xticks(range(len(paired)), list(paired), rotation=20, ha="right")
     what = "change, % (paired log-ratio)" if relative else "difference (paired)"
-    ax.set_title(f"{metric}: {what}, 95 % CI", fontsize=9)
+    ax.set_title(f"{metric} vs the baseline: {what}\n95 % CI; dots: the seeds", fontsize=9)
     ax.grid(axis="y", alpha=0.3)
 
 
