@@ -194,3 +194,17 @@ def controls_markdown(controls: dict | None, runs: list, summary: dict, metrics:
 
 def _cell(value) -> str:
     return "n/a" if value is None else f"{value:.4g}"
+
+
+def controls_metrics(controls: dict | None) -> dict[str, float]:
+    """Flat metrics for the MLflow parent run: ``controls/<constant>/<metric>`` and
+    ``controls/shuffled_chance/<metric>`` (each loss's shuffled scores are in its own child run)."""
+    flat: dict[str, float] = {}
+    for name, constant in (controls or {}).get("constants", {}).items():
+        key = "best_constant" if name.startswith("best") else "most_common"
+        flat |= {
+            f"controls/{key}/{m}": v for m, v in constant["metrics"].items() if isinstance(v, int | float)
+        }
+    chance = ((controls or {}).get("shuffled") or {}).get("chance", {})
+    flat |= {f"controls/shuffled_chance/{m}": v for m, v in chance.items() if isinstance(v, int | float)}
+    return flat

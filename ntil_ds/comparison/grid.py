@@ -24,6 +24,7 @@ from ntil_ds.comparison.controls import (
     SHUFFLED_FILE,
     control_scores,
     controls_markdown,
+    controls_metrics,
     shuffled_chance,
     write_shuffled_split,
 )
@@ -214,7 +215,7 @@ class Comparison:
                 if p.is_file()
             ],
             any_failed=bool(report["failed"]),
-            extra_metrics=paired_metrics(report["paired"]),
+            extra_metrics=paired_metrics(report["paired"]) | controls_metrics(report.get("controls")),
         )
         print(
             f"\n{(plan.out / 'table.md').read_text()}\nresults: {plan.out / 'results.json'}\n"

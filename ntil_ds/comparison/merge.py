@@ -17,7 +17,7 @@ import os
 import time
 from pathlib import Path
 
-from ntil_ds.comparison.controls import control_scores
+from ntil_ds.comparison.controls import control_scores, controls_metrics
 from ntil_ds.comparison.grid import write_outputs
 from ntil_ds.comparison.paired import paired_metrics
 from ntil_ds.comparison.results import RunResult, slug
@@ -108,7 +108,7 @@ def merge_comparisons(grids: list[Path], out: Path) -> dict:
             if p.is_file()
         ],
         any_failed=bool(report["failed"]),
-        extra_metrics=paired_metrics(report["paired"]),
+        extra_metrics=paired_metrics(report["paired"]) | controls_metrics(report.get("controls")),
     )
     return report
 

@@ -235,6 +235,8 @@ def test_merge_reads_grids_run_apart_as_one(compare, tmp_path, capsys):
     assert parent.info.status == "FINISHED" and parent.data.metrics["ntil/abs_error_mean"] == 6.0
     change = report["paired"]["ntil"]["abs_error"]["relative"]["change"]
     assert parent.data.metrics["ntil/paired/abs_error_change"] == pytest.approx(change)
+    best = report["controls"]["constants"]["best constant (train median)"]["metrics"]["abs_error"]
+    assert parent.data.metrics["controls/best_constant/abs_error"] == pytest.approx(best)
 
     with pytest.raises(SystemExit, match="ce seed 2 is in both .* distinct"):
         cli.main(["--merge", str(first), str(later), str(later), "--out", str(tmp_path / "twice")])
