@@ -199,3 +199,17 @@ def test_paired_report_table_and_mlflow_metrics(tmp_path):
     (tmp_path / "ntil-1" / "eval_test.json").unlink()
     again = paired_report(runs, ("abs_error",), "ce", "arithmetic")["ntil"]["abs_error"]
     assert again["bootstrap"].startswith("not run:") and again["relative"] == p["relative"]
+
+
+def test_comparison_plot_draws_the_paired_panel_relative_or_absolute(tmp_path):
+    from ntil_ds.tracking.plots import plot_comparison
+
+    summary = {
+        "ce": {"abs_error": {"mean": 23.3, "std": 15.3, "n": 3}},
+        "ntil": {"abs_error": {"mean": 18.6, "std": 1, "n": 3}},
+    }
+    relative = {"ntil": {"abs_error": stats.paired_comparison(NTIL, CE, higher_is_better=False)}}
+    near_zero = {"ntil": {"abs_error": stats.paired_comparison({0: 0.02, 1: 0.01}, {0: 0.0, 1: 0.01}, False)}}
+    for name, paired in (("relative", relative), ("absolute", near_zero), ("none", None)):
+        png = plot_comparison(summary, ("abs_error",), tmp_path / f"{name}.png", "t", set(), paired)
+        assert png.read_bytes()[:4] == b"\x89PNG"
