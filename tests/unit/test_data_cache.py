@@ -237,15 +237,17 @@ def _truncate(file):
 
 
 def _open_in_child(folder, path, cache_dir, start, results):
-    processor = load_processor(folder)
-    start.wait()  # both children check the cache at the same moment: neither finds one
-    dataset = CachedConversationDataset(
-        path, processor, max_seq_len=128, on_bad_sample="skip", cache_dir=cache_dir
-    )
-    digest = hashlib.sha256()
-    for name in sorted(dataset.cache.arrays):
-        digest.update(np.ascontiguousarray(dataset.cache[name]).tobytes())
-    results.put((dataset.cache_status, digest.hexdigest(), len(dataset)))
+    try:
+        processor = load_processor(folder)
+        start.wait()  # both children check the cache at the same moment: neither finds one
+        dataset = CachedConversationDataset(path, processor, 128, "skip", cache_dir=cache_dir)
+        digest = hashlib.sha256()
+        for name in sorted(dataset.cache.arrays):
+            digest.update(np.ascontiguousarray(dataset.cache[name]).tobytes())
+        results.put((dataset.cache_status, digest.hexdigest(), len(dataset)))
+    except BaseException as error:  # reported, so the test fails with it rather than waiting
+        results.put((f"failed: {error!r}", "", 0))
+        raise
 
 
 def test_a_concurrent_build_builds_once_and_both_map_the_same_complete_cache(tmp_path, folders):
@@ -256,7 +258,7 @@ def test_a_concurrent_build_builds_once_and_both_map_the_same_complete_cache(tmp
     children = [context.Process(target=_open_in_child, args=args) for _ in range(2)]
     for child in children:
         child.start()
-    got = [results.get(timeout=300) for _ in children]
+    got = [results.get(timeout=120) for _ in children]
     for child in children:
         child.join(timeout=60)
         assert child.exitcode == 0
