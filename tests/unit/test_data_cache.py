@@ -298,3 +298,14 @@ def test_the_mapped_arrays_pickle_as_their_folder(tmp_path, processors):
     assert len(blob) < 4096 < dataset.cache["input_ids"].nbytes
     again = pickle.loads(blob)
     assert all(np.array_equal(again[name], dataset.cache[name]) for name in dataset.cache.arrays)
+
+
+def test_the_main_rank_sees_the_encoding_progress_with_time_left(tmp_path, processors, capsys):
+    path = _write(tmp_path / "train.jsonl", _text_rows(30))
+    capsys.readouterr()
+    load_dataset(path, processors["qwen2"], 128, "skip", cache_dir=tmp_path / "c", is_main=True)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err and all(line.startswith("encoding train.jsonl") for line in err)  # whole lines: no redraws
+    assert "<00:00" in err[-1] and "line/s" in err[-1]
+    load_dataset(path, processors["qwen2"], 128, "skip", cache_dir=tmp_path / "c", is_main=False)
+    assert capsys.readouterr().err == ""  # other ranks, and a reused cache, show nothing
