@@ -48,7 +48,7 @@ from ntil_ds.dist import (
     DistInfo,
     all_reduce_host_sums,
     all_reduce_sums,
-    any_rank,
+    barrier,
     leave_process_group,
     read_to_host,
 )
@@ -334,7 +334,7 @@ class Trainer:
         d = self.cfg.data  # encoded once into the cache by the main rank, mapped by all (data/cache.py)
         data = load_dataset(path, self.processor, d.max_seq_len, d.on_bad_sample, cache=d.cache,
                             cache_dir=d.cache_dir, output_dir=self.output_dir, is_main=self.dist.is_main,
-                            any_rank=any_rank)  # fmt: skip
+                            barrier=barrier)  # fmt: skip
         if self.dist.is_main:
             log.info("data: %s", data.report.summary())
         return data

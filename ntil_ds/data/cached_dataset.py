@@ -9,8 +9,7 @@ them as before. `conversations` reads a sample's line again only when it is aske
 takes a few).
 
 `load_dataset` is what the trainer calls: with several ranks, the main rank builds (or finds) the cache
-and the others map it after one collective; a cache folder each node has on its own disk is built by the
-first of that node's ranks to take its lock.
+and the others wait on its lock, then map it.
 """
 
 from __future__ import annotations
@@ -55,7 +54,8 @@ log = logging.getLogger(__name__)
 
 class CachedConversationDataset(torch.utils.data.Dataset):
     """`ConversationDataset` over mapped arrays. `cache_status` says what happened: "built", "reused",
-    or "rebuilt because ..." (also logged)."""
+    or "rebuilt because ..." (also logged). `on_locked`: called once this process holds the exclusive
+    build lock (then taken at once, without a reader's look first)."""
 
     def __init__(
         self,
@@ -67,6 +67,7 @@ class CachedConversationDataset(torch.utils.data.Dataset):
         cache_dir: str | Path | None = None,
         output_dir: str | Path | None = None,
         show_progress: bool = False,
+        on_locked: Callable[[], None] | None = None,
     ):
         check_settings(max_seq_len, on_bad_sample)
         self.path, self.processor, self.max_seq_len = Path(path), processor, max_seq_len
@@ -80,11 +81,15 @@ class CachedConversationDataset(torch.utils.data.Dataset):
         root = cache_root(self.path, cache_dir, output_dir)
         slot = slot_name(self.path, processor, max_seq_len, on_bad_sample)
         folder = root / slot
-        with locked(root, slot, exclusive=False):
-            arrays, _ = check(folder, key)
+        arrays = None
+        if on_locked is None:  # a reader first: a valid cache needs no exclusive lock
+            with locked(root, slot, exclusive=False):
+                arrays, _ = check(folder, key)
         self.cache_status = "reused"
         if arrays is None:
             with locked(root, slot, exclusive=True):  # one builder; the others wait here, then reuse
+                if on_locked is not None:
+                    on_locked()
                 arrays, why = check(folder, key)
                 if arrays is None:
                     self.cache_status = "built" if why == "missing" else f"rebuilt because {why}"
@@ -201,18 +206,20 @@ def load_dataset(
     cache_dir: str | Path | None = None,
     output_dir: str | Path | None = None,
     is_main: bool = True,
-    any_rank: Callable[[bool], bool] | None = None,
+    barrier: Callable[[], None] | None = None,
 ) -> ConversationDataset | CachedConversationDataset:
     """The dataset of one data file on this rank; progress on the main rank only.
 
     `cache=False`: every rank reads and encodes the file (`ConversationDataset`, as before the cache).
-    Otherwise the main rank builds or finds the cache first; `any_rank` (a collective: every rank calls
-    it once, the others waiting there meanwhile) then tells every rank whether that failed, so a bad
-    line stops all ranks at once, and the others map the cache."""
+    Otherwise, with several ranks (`barrier`: a collective every rank calls once), the main rank takes
+    the cache's build lock first and only then lets the others past the barrier: they wait on that lock,
+    not in a collective (whose timeout a long first build would pass), then map what it wrote. Where the
+    cache folder is on each node's own disk, the first rank of each other node to get its lock builds it.
+    """
     if not cache:
         return ConversationDataset(path, processor, max_seq_len, on_bad_sample, show_progress=is_main)
 
-    def open_cache(show: bool) -> CachedConversationDataset:
+    def open_cache(show: bool, on_locked=None) -> CachedConversationDataset:
         return CachedConversationDataset(
             path,
             processor,
@@ -221,16 +228,22 @@ def load_dataset(
             cache_dir=cache_dir,
             output_dir=output_dir,
             show_progress=show,
+            on_locked=on_locked,
         )
 
-    dataset, error = None, None
-    if is_main:
-        try:
-            dataset = open_cache(True)
-        except Exception as failure:  # raised below, once every rank knows
-            error = failure
-    if any_rank is not None and any_rank(error is not None) and error is None and not is_main:
-        raise DataError(f"{path}: the main rank could not load this data file (its log says why)")
-    if error is not None:
-        raise error
-    return dataset if dataset is not None else open_cache(False)
+    if barrier is None:
+        return open_cache(is_main)
+    if not is_main:
+        barrier()  # past it, the main rank holds the lock (or has failed: then this rank finds out itself)
+        return open_cache(False)
+    released = []
+
+    def release() -> None:
+        if not released:
+            released.append(True)
+            barrier()
+
+    try:
+        return open_cache(True, on_locked=release)
+    finally:
+        release()  # a failure before the lock was taken must not leave the others in the barrier

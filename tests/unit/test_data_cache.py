@@ -1,6 +1,7 @@
 """The data cache (ntil_ds/data/cache.py, cached_dataset.py): the same samples as the uncached dataset,
 and the rules that make a cache valid: data content, processor files, a concurrent build, a torn file."""
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -15,8 +16,8 @@ import pytest
 import torch
 from PIL import Image
 
-from ntil_ds.data import BadSample, ConversationDataset, load_processor
-from ntil_ds.data.cache import CACHE_FOLDER, MANIFEST
+from ntil_ds.data import BadSample, ConversationDataset, DataError, load_processor
+from ntil_ds.data.cache import CACHE_FOLDER, MANIFEST, slot_name
 from ntil_ds.data.cached_dataset import CachedConversationDataset, load_dataset
 from ntil_ds.tiny import build_tiny_model_folder
 
@@ -282,12 +283,40 @@ def test_a_read_only_data_folder_falls_back_to_output_dir(tmp_path, processors):
 def test_load_dataset_without_cache_is_todays_dataset(tmp_path, processors):
     path = _write(tmp_path / "train.jsonl", _text_rows(3))
     assert type(load_dataset(path, processors["qwen2"], 128, "skip", cache=False)) is ConversationDataset
-    cached = load_dataset(
-        path, processors["qwen2"], 128, "skip", cache_dir=tmp_path / "c", any_rank=lambda f: f
-    )
+    cached = load_dataset(path, processors["qwen2"], 128, "skip", cache_dir=tmp_path / "c")
     assert isinstance(cached, CachedConversationDataset)
-    with pytest.raises(Exception, match="main rank could not load"):  # another rank, after rank 0 failed
-        load_dataset(path, processors["qwen2"], 128, "skip", is_main=False, any_rank=lambda flag: True)
+
+
+def test_ranks_meet_once_with_the_main_rank_holding_the_lock(tmp_path, processors):
+    """The main rank enters the barrier holding the build lock (the others then wait on the lock, not in
+    a collective); it enters it exactly once, also when the data is bad."""
+    path = _write(tmp_path / "train.jsonl", _text_rows(3))
+    lock = tmp_path / "c" / f"{slot_name(path, processors['qwen2'], 128, 'skip')}.lock"
+    held = []
+
+    def barrier():
+        with lock.open("a+b") as file:
+            try:
+                fcntl.flock(file, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                held.append(False)
+            except BlockingIOError:
+                held.append(True)
+
+    main = load_dataset(path, processors["qwen2"], 128, "skip", cache_dir=tmp_path / "c", barrier=barrier)
+    assert held == [True] and main.cache_status == "built"
+    other = load_dataset(
+        path, processors["qwen2"], 128, "skip", cache_dir=tmp_path / "c", barrier=barrier, is_main=False
+    )
+    assert held == [True, False] and other.cache_status == "reused"
+    calls = []
+    with pytest.raises(DataError, match="data file not found"):  # before any lock
+        load_dataset(
+            tmp_path / "nope.jsonl", processors["qwen2"], 128, "skip", barrier=lambda: calls.append(1)
+        )
+    bad = _write(tmp_path / "bad.jsonl", ["not json"])
+    with pytest.raises(BadSample):  # while building
+        load_dataset(bad, processors["qwen2"], 128, "error", barrier=lambda: calls.append(1))
+    assert calls == [1, 1]
 
 
 def test_the_mapped_arrays_pickle_as_their_folder(tmp_path, processors):
