@@ -16,9 +16,16 @@ import pytest
 import torch
 from PIL import Image
 
-from ntil_ds.data import BadSample, ConversationDataset, DataError, load_processor
+from ntil_ds.data import (
+    BadSample,
+    ConversationDataset,
+    DataError,
+    ResumableDistributedSampler,
+    load_processor,
+)
 from ntil_ds.data.cache import CACHE_FOLDER, MANIFEST, slot_name
 from ntil_ds.data.cached_dataset import CachedConversationDataset, load_dataset
+from ntil_ds.data.steps import StepBatches
 from ntil_ds.tiny import build_tiny_model_folder
 
 KINDS = ("qwen2", "qwen2_vl", "gemma3")  # text-only; image tokens only; text around the image tokens
@@ -338,3 +345,17 @@ def test_the_main_rank_sees_the_encoding_progress_with_time_left(tmp_path, proce
     assert "<00:00" in err[-1] and "line/s" in err[-1]
     load_dataset(path, processors["qwen2"], 128, "skip", cache_dir=tmp_path / "c", is_main=False)
     assert capsys.readouterr().err == ""  # other ranks, and a reused cache, show nothing
+
+
+def test_packing_plans_the_same_steps_from_the_cached_lengths(tmp_path, processors):
+    path = _write(tmp_path / "train.jsonl", _text_rows(40))
+    plain = ConversationDataset(path, processors["qwen2"], max_seq_len=128, on_bad_sample="skip")
+    cached = CachedConversationDataset(path, processors["qwen2"], max_seq_len=128, on_bad_sample="skip")
+
+    def plans(dataset, rank):
+        sampler = ResumableDistributedSampler(len(dataset), dp_rank=rank, dp_size=2, seed=3)
+        steps = StepBatches(dataset, sampler, list, samples_per_rank=6, micro_batch_size=1, max_tokens=160)
+        return [steps.step_groups(k) for k in range(8)]  # 8 steps x 12 samples: past an epoch
+
+    for rank in (0, 1):
+        assert plans(cached, rank) == plans(plain, rank)
