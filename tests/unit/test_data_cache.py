@@ -354,7 +354,7 @@ def test_packing_plans_the_same_steps_from_the_cached_lengths(tmp_path, processo
 
     def plans(dataset, rank):
         sampler = ResumableDistributedSampler(len(dataset), dp_rank=rank, dp_size=2, seed=3)
-        steps = StepBatches(dataset, sampler, list, samples_per_rank=6, micro_batch_size=1, max_tokens=160)
+        steps = StepBatches(dataset, sampler, list, samples_per_rank=6, micro_batch_size=1, max_tokens=128)
         return [steps.step_groups(k) for k in range(8)]  # 8 steps x 12 samples: past an epoch
 
     for rank in (0, 1):
