@@ -23,6 +23,7 @@ from ntil_ds.data import (
     ResumableDistributedSampler,
     load_processor,
 )
+from ntil_ds.data import cache as cache_module
 from ntil_ds.data.cache import CACHE_FOLDER, MANIFEST, slot_name
 from ntil_ds.data.cached_dataset import CachedConversationDataset, load_dataset
 from ntil_ds.data.steps import StepBatches
@@ -359,3 +360,14 @@ def test_packing_plans_the_same_steps_from_the_cached_lengths(tmp_path, processo
 
     for rank in (0, 1):
         assert plans(cached, rank) == plans(plain, rank)
+
+
+def test_a_new_encoding_version_or_other_settings_never_reuse_a_cache(tmp_path, processors, monkeypatch):
+    path = _write(tmp_path / "train.jsonl", _text_rows(5))
+    first = CachedConversationDataset(path, processors["qwen2"], 128, "skip")
+    other_length = CachedConversationDataset(path, processors["qwen2"], 64, "skip")
+    assert other_length.cache_status == "built" and other_length.cache.folder != first.cache.folder
+    assert CachedConversationDataset(path, processors["qwen2"], 128, "skip").cache_status == "reused"
+    monkeypatch.setattr(cache_module, "ENCODING_VERSION", cache_module.ENCODING_VERSION + 1)
+    bumped = CachedConversationDataset(path, processors["qwen2"], 128, "skip")
+    assert bumped.cache_status.startswith("rebuilt because it was built for other inputs: encoding_version")
