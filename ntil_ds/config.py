@@ -123,6 +123,12 @@ class DataConfig:
     # forwards per step then follows from the tokens (train.micro_batch_size is not used for batching).
     # Must be >= data.max_seq_len. 0: no packing, train.micro_batch_size padded rows per forward.
     max_tokens_per_micro_batch: int = 0
+    # Encode once (ntil_ds/data/cache.py): the first start writes the encoded samples as memory-mapped
+    # arrays, every rank and later start maps them. false: every rank encodes every line at every start.
+    cache: bool = True
+    # Where caches live. Empty: .ntil_cache beside the data file, or under output_dir when the data
+    # folder is read-only.
+    cache_dir: str = ""
 
 
 @dataclass

@@ -41,9 +41,17 @@ from ntil_ds.data import (
     tokenizer_of,
 )
 from ntil_ds.data.batch import MicroBatch
+from ntil_ds.data.cached_dataset import CachedConversationDataset, load_dataset
 from ntil_ds.data.packing import PackedCollator
 from ntil_ds.data.steps import StepBatches, step_loader
-from ntil_ds.dist import DistInfo, all_reduce_host_sums, all_reduce_sums, leave_process_group, read_to_host
+from ntil_ds.dist import (
+    DistInfo,
+    all_reduce_host_sums,
+    all_reduce_sums,
+    barrier,
+    leave_process_group,
+    read_to_host,
+)
 from ntil_ds.ds_config import write_deepspeed_config
 from ntil_ds.engine import TrainingEngine, check_optimizer_build, device_for, peak_memory_mib
 from ntil_ds.evaluation.numeric import NumericEval
@@ -325,10 +333,11 @@ class Trainer:
     # ------------------------------------------------------------------------------------------------
     # Building and bookkeeping
 
-    def _dataset(self, path: str) -> ConversationDataset:
-        data = ConversationDataset(
-            path, self.processor, self.cfg.data.max_seq_len, on_bad_sample=self.cfg.data.on_bad_sample
-        )
+    def _dataset(self, path: str) -> ConversationDataset | CachedConversationDataset:
+        d = self.cfg.data  # encoded once into the cache by the main rank, mapped by all (data/cache.py)
+        data = load_dataset(path, self.processor, d.max_seq_len, d.on_bad_sample, cache=d.cache,
+                            cache_dir=d.cache_dir, output_dir=self.output_dir, is_main=self.dist.is_main,
+                            barrier=barrier)  # fmt: skip
         if self.dist.is_main:
             log.info("data: %s", data.report.summary())
         return data
