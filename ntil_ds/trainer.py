@@ -103,9 +103,7 @@ class Trainer:
         self.output_dir = Path(cfg.output_dir)
         self.grad_accum = gradient_accumulation_steps(cfg, dist_info.dp_size)
         self.device = device_for(dist_info.local_rank)
-        check_optimizer_build(
-            ds_config
-        )  # an optimizer op that cannot be built fails now, not after the model
+        check_optimizer_build(ds_config)  # an optimizer op that cannot build fails now, not after the model
         # Which checkpoint to continue, decided by rank 0 for all, and checked against this recipe before
         # anything is built or written: a different recipe must not silently continue another run.
         checkpoint = agree_on_resume_checkpoint(cfg.resume, self.output_dir, dist_info)
