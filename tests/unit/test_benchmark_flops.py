@@ -28,3 +28,28 @@ def test_head_flops_are_the_matrix_products_each_path_runs():
     # the labelled head multiplies only the labelled rows (counting all T would inflate its figure 5x
     # here), and recomputes their logits in the backward
     assert _counted("labelled", inputs) == head_flops(rows, hidden_size, vocab, recompute=True)
+
+
+def test_2b_step_flops_count_the_head_where_it_ran(tmp_path):
+    """matmul_params against the parameters of a real model built from such a config (every nn.Linear of
+    the language model, and the head), and step_flops counting the head at the labelled rows only."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from benchmarks.model_2b import language_model_matmul_params, matmul_params
+    from benchmarks.train_step import StepRecord, step_flops
+    from ntil_ds.tiny import build_tiny_model_folder
+
+    folder = build_tiny_model_folder("qwen2_vl", tmp_path / "tiny")
+    model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(folder))
+    decoder = sum(
+        module.weight.numel()
+        for name, module in model.model.language_model.named_modules()
+        if isinstance(module, torch.nn.Linear)
+    )
+    params = matmul_params(folder / "config.json")
+    assert params == {"decoder": decoder, "head": model.lm_head.weight.numel()}
+    assert language_model_matmul_params(folder / "config.json") == decoder + params["head"]
+    hf = StepRecord(step=1, seconds=1.0, tokens=1000)  # the HF Trainer: the head at every token
+    ours = StepRecord(step=1, seconds=1.0, tokens=1000, head_rows=20)
+    assert step_flops(hf, params) == 6 * 1000 * (decoder + params["head"])
+    assert step_flops(ours, params) == 6 * (1000 * decoder + 20 * params["head"])
