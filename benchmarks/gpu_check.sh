@@ -134,9 +134,17 @@ dry_command() { # STEP: sets CMD to the check, or empty
   esac
 }
 
+shown() { # the command as one would type it: words with spaces or shell characters in single quotes
+  local word words=()
+  for word in "${CMD[@]}"; do
+    if [[ $word =~ ^[A-Za-z0-9_./=:,+@%-]+$ ]]; then words+=("$word"); else words+=("'${word//\'/\'\\\'\'}'"); fi
+  done
+  echo "${words[*]}"
+}
+
 run_step() { # STEP BUDGET: runs CMD under timeout, output to the terminal and OUT/STEP.log
   local step=$1 budget=$2 started=$SECONDS rc status
-  echo "== $step (budget ${budget} s): ${CMD[*]}"
+  echo "== $step (budget ${budget} s): $(shown)"
   timeout --kill-after="$KILL_GRACE_S" "$budget" "${CMD[@]}" 2>&1 | tee "$OUT_DIR/$step.log"
   rc=${PIPESTATUS[0]}
   case $rc in
@@ -215,27 +223,33 @@ setup_wheels() { # BUDGET: one pip call for all; if it fails, one per name, so e
   fi
 }
 
-decision() { # STEP -> "run<TAB>extra" or "skip<TAB>reason", from OUT/preflight.json
+decision() { # STEP -> "run|skip<TAB>reason<TAB>extra" ("-": empty), from OUT/preflight.json
   "$PYTHON" -m benchmarks.preflight --step "$1" --from "$OUT_DIR/preflight.json" 2>&1 | tail -n 1
+}
+
+read_decision() { # STEP: sets verdict, reason and extra
+  IFS=$'\t' read -r verdict reason extra < <(decision "$1")
+  [ "$reason" = - ] && reason=""
+  [ "$extra" = - ] && extra=""
 }
 
 # The plan: every step with its budget and command, and whether the preflight lets it run.
 print_plan() {
-  local entry step budget verdict total=0
+  local entry step budget verdict reason extra="" total=0
   printf 'step\tbudget_s\twould_run\truns\n' >"$PLAN"
   for entry in "${STEPS[@]}"; do
-    step=${entry%%:*} budget=${entry##*:}
+    step=${entry%%:*} budget=${entry##*:} extra=""
     total=$((total + budget))
     case $step in
       setup) verdict=$([ -n "$WHEELS" ] && echo "yes ($WHEELS)" || echo "no (no wheel folder)") ;;
       preflight) verdict=yes ;;
       *)
-        verdict=$(decision "$step")
-        [[ $verdict == run* ]] && verdict="yes${verdict#run}" || verdict="no (${verdict#skip$'\t'})"
+        read_decision "$step"
+        if [ "$verdict" = run ]; then verdict="yes${reason:+ ($reason)}"; else verdict="no ($reason)"; fi
         ;;
     esac
-    step_command "$step" "$( [ "$step" = loss_table ] && decision loss_table | cut -f2 )"
-    printf '%s\t%s\t%s\t%s\n' "$step" "$budget" "${verdict//$'\t'/ }" "${CMD[*]}" >>"$PLAN"
+    step_command "$step" "$extra"
+    printf '%s\t%s\t%s\t%s\n' "$step" "$budget" "$verdict" "$(shown)" >>"$PLAN"
   done
   printf 'total\t%s\t(of %s s)\t\n' "$total" "$TOTAL_S" >>"$PLAN"
   echo "plan ($PLAN):"
@@ -253,14 +267,12 @@ echo
 # --- the GPU steps, in order --------------------------------------------------------------------------
 for entry in "${STEPS[@]:2}"; do
   step=${entry%%:*} budget=${entry##*:}
-  verdict=$(decision "$step")
-  extra=${verdict#*$'\t'}
-  if [[ $verdict == skip* ]]; then
-    skip "$step" "$budget" "$extra"
-    [ "$DRY_RUN" = 1 ] || continue
+  read_decision "$step"
+  if [ "$verdict" = skip ]; then
+    skip "$step" "$budget" "$reason"
+    [ "$DRY_RUN" = 1 ] || continue # the dry run checks the step's arguments all the same
   fi
-  [[ $extra == "(no preflight decision"* ]] && extra=""
-  step_command "$step" "$([ "$step" = loss_table ] || [ "$step" = step_2b ] && echo "$extra")"
+  step_command "$step" "$extra"
   if [ "$DRY_RUN" = 1 ]; then
     dry_command "$step"
     run_step "$step.dry_run" 60 # only argument handling and imports: seconds
@@ -289,5 +301,5 @@ done
 echo "# total $SECONDS s of $TOTAL_S" >>"$SUMMARY"
 echo
 echo "summary ($SUMMARY):"
-column -t -s $'\t' "$SUMMARY" 2>/dev/null || cat "$SUMMARY"
+grep -v '^#' "$SUMMARY" | column -t -s $'\t' 2>/dev/null || cat "$SUMMARY"
 exit "$FAILED"

@@ -416,16 +416,16 @@ def print_report(f: Findings) -> None:
 
 
 def step_decision(path: Path, step: str) -> str:
-    """One line for the shell: 'run<TAB>extra' or 'skip<TAB>reason' (no preflight.json: run, unknown)."""
+    """One line for the shell: 'run|skip<TAB>reason<TAB>extra' (extra: the loss table's methods or the 2B
+    step's overrides; an empty field is '-'). Without a readable preflight.json: run, and say so."""
     if step not in STEPS:
         raise SystemExit(f"unknown step {step!r}; expected one of {', '.join(STEPS)}")
     try:
         decision = json.loads(path.read_text())["steps"][step]
     except (OSError, ValueError, KeyError) as error:
-        return f"run\t(no preflight decision: {_error(error)})"
-    if not decision["run"]:
-        return f"skip\t{decision['reason']}"
-    return "run\t" + (decision.get("methods") or decision.get("overrides") or "")
+        return f"run\tno preflight decision ({_error(error)})\t-"
+    extra = decision.get("methods") or decision.get("overrides") or "-"  # "-": none (tabs would collapse)
+    return f"{'run' if decision['run'] else 'skip'}\t{decision['reason'] or '-'}\t{extra}"
 
 
 def main() -> None:
