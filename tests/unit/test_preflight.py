@@ -158,3 +158,18 @@ def test_the_manifest_parses():
     entries = manifest_entries()
     assert ("pillow", "PIL") in entries and ("py-cpuinfo", "cpuinfo") in entries
     assert len({d for d, _ in entries}) == len(entries)
+
+
+def test_step_decision_is_one_tab_separated_line_with_no_empty_field(tmp_path):
+    """What gpu_check.sh reads with IFS=tab (where empty fields would collapse): '-' stands for none."""
+    from benchmarks.preflight import step_decision
+
+    path = tmp_path / "preflight.json"
+    path.write_text(json.dumps({"steps": decide(_gpu_findings(versions={"transformers": "absent (x)"}))}))
+    assert step_decision(path, "loss_table") == f"run\t-\t{KERNEL_METHODS}"
+    assert step_decision(path, "step_2b") == "skip\ttransformers absent (x)\t-"
+    assert step_decision(path, "gpu_tests_loss") == "run\t-\t-"
+    missing = step_decision(tmp_path / "none.json", "head_table")
+    assert missing.startswith("run\tno preflight decision (FileNotFoundError") and missing.endswith("\t-")
+    with pytest.raises(SystemExit, match="unknown step"):
+        step_decision(path, "head")
