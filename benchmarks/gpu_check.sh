@@ -26,7 +26,8 @@
 #   gpu_tests_loss        60  pytest -v -rA tests/gpu/test_loss_cuda.py, less the cold torch.compile test
 #   gpu_tests_throughput  45  pytest -v -rA tests/gpu/test_throughput_cuda.py (its own call: its
 #                             collection needs transformers, psutil, PIL; the loss tests do not)
-#   loss_table            90  python -m benchmarks.loss_speed --device cuda (rows to OUT/loss_table.jsonl)
+#   loss_table            90  python -m benchmarks.loss_speed --device cuda (rows to OUT/loss_table.jsonl;
+#                             the preflight's methods, or $LOSS_METHODS: ntil_compiled/ntil_torch take minutes)
 #   step_2b              200  python -m benchmarks.train_step --device cuda --model-size 2b: ours vs the HF
 #                             Trainer, ZeRO-2 (the 141 GB recipe), 16 samples a step, 4 measured steps
 #   head_table            40  python -m benchmarks.head_speed --device cuda --dtypes bfloat16 (JSONL rows)
@@ -104,7 +105,7 @@ step_command() { # STEP EXTRA (methods for loss_table, overrides for step_2b)
     preflight) CMD=("$PYTHON" -m benchmarks.preflight --out "$OUT_DIR") ;;
     gpu_tests_loss) CMD=("${pytest[@]}" tests/gpu/test_loss_cuda.py -k "not $COMPILED_TEST") ;;
     gpu_tests_throughput) CMD=("${pytest[@]}" tests/gpu/test_throughput_cuda.py) ;;
-    loss_table) CMD=("$PYTHON" -m benchmarks.loss_speed --device cuda --methods "${2:-cross_entropy}"
+    loss_table) CMD=("$PYTHON" -m benchmarks.loss_speed --device cuda --methods "${LOSS_METHODS:-${2:-cross_entropy}}"
       --dtypes "$LOSS_DTYPES" --jsonl "$OUT_DIR/loss_table.jsonl") ;;
     step_2b)
       # 4 measured steps of 16 clock samples (~5k tokens) per job after 1 warm-up, parameters built on

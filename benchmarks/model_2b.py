@@ -56,8 +56,3 @@ def matmul_params(config_file: Path) -> dict[str, int]:
     kv = h // text["num_attention_heads"] * text["num_key_value_heads"]
     per_layer = h * h + 2 * h * kv + h * h + 3 * h * inter  # q, k, v, o, gate/up/down
     return {"decoder": text["num_hidden_layers"] * per_layer, "head": h * vocab}
-
-
-def language_model_matmul_params(config_file: Path) -> int:
-    """Both parts of matmul_params: the per-token figure when the head runs at every position."""
-    return sum(matmul_params(config_file).values())
