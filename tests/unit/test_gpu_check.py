@@ -135,6 +135,54 @@ def test_a_gpu_that_torch_cannot_use_fails_the_check_instead_of_skipping(tmp_pat
         assert CUDA_ABSENT in detail
 
 
+FAKE_PREFLIGHT = """#!/bin/sh
+# python, except that the preflight reports a complete GPU machine (what decide() says for one)
+if [ "$1 $2 $3" = "-m benchmarks.preflight --out" ]; then
+  exec {python} -c "import json, sys; from tests.unit.test_preflight import _gpu_findings;
+from benchmarks.preflight import decide
+open(sys.argv[1] + '/preflight.json', 'w').write(json.dumps({{'steps': decide(_gpu_findings())}}))
+print('fake preflight: every step runs')" "$4"
+fi
+exec {python} "$@"
+"""
+
+
+@no_cuda_path
+def test_steps_run_in_order_with_budgets_clipped_to_the_total_and_each_outcome_recorded(tmp_path):
+    """With a preflight that lets every step run (as on a complete GPU machine), on this CPU machine: each
+    step runs under its budget, clipped to what is left of GPU_CHECK_TOTAL_S; a GPU step that fails here
+    (no CUDA) is recorded with its exit code and the next still runs; the optional compile test is
+    skipped when its whole budget is not left."""
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_PREFLIGHT.format(python=sys.executable))
+    fake.chmod(0o755)
+    env_total = 50  # < 45 s (the compile test's budget) + 5 s (kill grace) left by then, however fast
+    path = "/usr/bin:/bin"
+    env = {"PATH": path, "OUT": str(tmp_path), "PYTHON": str(fake), "HOME": str(tmp_path),
+           "GPU_CHECK_TOTAL_S": str(env_total), "PYTHONPATH": str(REPO_ROOT)}  # fmt: skip
+    result = subprocess.run(["bash", str(SCRIPT)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=180)  # fmt: skip
+    assert result.returncode == 1, result.stdout + result.stderr  # the CUDA steps fail on a CPU machine
+    steps = summary(tmp_path)
+    assert list(steps) == ["setup", "preflight", *GPU_STEPS]
+    for step in ("gpu_tests_loss", "gpu_tests_throughput"):  # collected, every test skipped without CUDA
+        assert steps[step][:2] == ["passed", "0"], steps
+    assert steps["loss_table"][:2] == ["failed", "1"]
+    assert "no CUDA device visible to torch" in (tmp_path / "loss_table.log").read_text()
+    assert steps["step_2b"][:2] == ["failed", "2"] and steps["head_table"][:2] == ["failed", "2"]
+    assert "torch sees no CUDA device" in (tmp_path / "step_2b.log").read_text()
+    for step in GPU_STEPS[:-1]:
+        budget = int(steps[step][3])
+        assert 0 < budget <= env_total - 5, (step, budget)
+    assert int(steps["gpu_tests_loss"][3]) < 60  # its 60 s clipped to what was left of the 50
+    status, _, _, _, detail = steps["compile_test"]
+    assert status == "skipped" and detail.startswith("optional, and only") and "of the 50 s" in detail
+    # -v -rA: every test by name, so a killed run still shows which finished
+    log = (tmp_path / "gpu_tests_loss.log").read_text()
+    assert "test_loss_cuda.py::test_cuda_matches_float64_cpu[torch-dtype0-1e-05-1e-06] SKIPPED" in log
+    assert "compiled_number_stage" not in log
+
+
 @pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck is not installed")
 def test_shellcheck_is_clean():
     result = subprocess.run(["shellcheck", str(SCRIPT)], capture_output=True, text=True, timeout=60)
