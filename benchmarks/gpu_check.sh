@@ -23,7 +23,8 @@
 # skipped; without transformers the 2B step and the throughput tests are skipped, the loss table runs.
 #   setup                 25  the wheels of benchmarks/gpu_wheels.txt, by name
 #   preflight             20  python -m benchmarks.preflight (versions, gcc, Python.h, a Triton launch, ...)
-#   gpu_tests_loss        60  pytest -v -rA tests/gpu/test_loss_cuda.py, less the cold torch.compile test
+#   gpu_tests_loss        50  pytest -v -rA tests/gpu/test_loss_cuda.py, less the cold torch.compile test
+#   gpu_tests_head        15  pytest -v -rA tests/gpu/test_labelled_head_cuda.py (bf16 chunks on CUDA)
 #   gpu_tests_throughput  45  pytest -v -rA tests/gpu/test_throughput_cuda.py (its own call: its
 #                             collection needs transformers, psutil, PIL; the loss tests do not)
 #   loss_table            90  python -m benchmarks.loss_speed --device cuda (rows to OUT/loss_table.jsonl;
@@ -32,7 +33,7 @@
 #                             Trainer, ZeRO-2 (the 141 GB recipe), 16 samples a step, 4 measured steps
 #   head_table            40  python -m benchmarks.head_speed --device cuda --dtypes bfloat16 (JSONL rows)
 #   compile_test          45  the cold torch.compile test, last and only if its whole budget is left
-# = 525 s of 540. A step that fails or runs out of time makes the exit status 1; so does a GPU that
+# = 530 s of 540. A step that fails or runs out of time makes the exit status 1; so does a GPU that
 # nvidia-smi lists but torch cannot use (every GPU step then fails instead of being skipped).
 set -u
 
@@ -52,8 +53,8 @@ esac
 WHEELS=${1:-${NTIL_WHEELS:-}}
 TOTAL_S=${GPU_CHECK_TOTAL_S:-540}
 KILL_GRACE_S=5
-STEPS=(setup:25 preflight:20 gpu_tests_loss:60 gpu_tests_throughput:45 loss_table:90 step_2b:200
-  head_table:40 compile_test:45)
+STEPS=(setup:25 preflight:20 gpu_tests_loss:50 gpu_tests_head:15 gpu_tests_throughput:45 loss_table:90
+  step_2b:200 head_table:40 compile_test:45)
 LOSS_DTYPES=bf16,fp32
 COMPILED_TEST=compiled_number_stage
 
@@ -104,6 +105,7 @@ step_command() { # STEP EXTRA (methods for loss_table, overrides for step_2b)
       --no-compile -q --target "$SCRATCH/site" NAME) ;;
     preflight) CMD=("$PYTHON" -m benchmarks.preflight --out "$OUT_DIR") ;;
     gpu_tests_loss) CMD=("${pytest[@]}" tests/gpu/test_loss_cuda.py -k "not $COMPILED_TEST") ;;
+    gpu_tests_head) CMD=("${pytest[@]}" tests/gpu/test_labelled_head_cuda.py) ;;
     gpu_tests_throughput) CMD=("${pytest[@]}" tests/gpu/test_throughput_cuda.py) ;;
     loss_table) CMD=("$PYTHON" -m benchmarks.loss_speed --device cuda --methods "${LOSS_METHODS:-${2:-cross_entropy}}"
       --dtypes "$LOSS_DTYPES" --jsonl "$OUT_DIR/loss_table.jsonl") ;;
@@ -224,14 +226,19 @@ setup_wheels() { # BUDGET: one pip call for all; if it fails, one per name, so e
   fi
 }
 
-decision() { # STEP -> "run|skip<TAB>reason<TAB>extra" ("-": empty), from OUT/preflight.json
-  "$PYTHON" -m benchmarks.preflight --step "$1" --from "$OUT_DIR/preflight.json" 2>&1 | tail -n 1
+declare -A VERDICT REASON EXTRA
+load_decisions() { # the preflight's decisions for every step, read once from OUT/preflight.json
+  local step verdict reason extra
+  while IFS=$'\t' read -r step verdict reason extra; do # "-": an empty field (tabs would collapse)
+    [ "$reason" = - ] && reason=""
+    [ "$extra" = - ] && extra=""
+    VERDICT[$step]=$verdict REASON[$step]=$reason EXTRA[$step]=$extra
+  done < <("$PYTHON" -m benchmarks.preflight --step all --from "$OUT_DIR/preflight.json" 2>/dev/null)
 }
 
-read_decision() { # STEP: sets verdict, reason and extra
-  IFS=$'\t' read -r verdict reason extra < <(decision "$1")
-  [ "$reason" = - ] && reason=""
-  [ "$extra" = - ] && extra=""
+read_decision() { # STEP: sets verdict, reason and extra (no decision: run, and say why)
+  verdict=${VERDICT[$1]:-run} reason=${REASON[$1]-no preflight decision (see preflight.log)}
+  extra=${EXTRA[$1]:-}
 }
 
 # The plan: every step with its budget and command, and whether the preflight lets it run.
@@ -260,7 +267,12 @@ print_plan() {
 # --- setup and preflight ------------------------------------------------------------------------------
 setup_wheels "$(budget_of setup)"
 step_command preflight
-run_step preflight "$(budget_of preflight)"
+# GPU_CHECK_PREFLIGHT_S: a slow CPU machine's preflight (the tests, a dry run: 60) may need more than 20 s
+preflight_s=$(budget_of preflight)
+[ "$DRY_RUN" = 1 ] && preflight_s=60
+preflight_s=${GPU_CHECK_PREFLIGHT_S:-$preflight_s}
+run_step preflight "$preflight_s"
+load_decisions
 echo
 print_plan
 echo
@@ -274,9 +286,14 @@ for entry in "${STEPS[@]:2}"; do
     [ "$DRY_RUN" = 1 ] || continue # the dry run checks the step's arguments all the same
   fi
   step_command "$step" "$extra"
-  if [ "$DRY_RUN" = 1 ]; then
+  if [ "$DRY_RUN" = 1 ]; then # the checks run side by side (seconds each), recorded in order below
     dry_command "$step"
-    run_step "$step.dry_run" 60 # only argument handling and imports: seconds
+    echo "== $step.dry_run: $(shown)"
+    t0=$SECONDS
+    (
+      timeout 60 "${CMD[@]}" >"$OUT_DIR/$step.dry_run.log" 2>&1
+      echo "$? $((SECONDS - t0))" >"$SCRATCH/$step.dry_run.rc"
+    ) &
     continue
   fi
   left=$(left_s)
@@ -298,6 +315,19 @@ for entry in "${STEPS[@]:2}"; do
     done
   fi
 done
+
+if [ "$DRY_RUN" = 1 ]; then
+  wait
+  for entry in "${STEPS[@]:2}"; do
+    step=${entry%%:*}.dry_run
+    read -r rc took <"$SCRATCH/$step.rc"
+    [ "$rc" -eq 0 ] && status=passed || status=failed
+    [ "$rc" -eq 0 ] || FAILED=1
+    echo "== $step: $status (exit $rc); log $OUT_DIR/$step.log:"
+    tail -n 3 "$OUT_DIR/$step.log"
+    record "$step" "$status" "$rc" "$took" 60 "log: $OUT_DIR/$step.log"
+  done
+fi
 
 echo "# total $SECONDS s of $TOTAL_S" >>"$SUMMARY"
 echo

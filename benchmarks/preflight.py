@@ -47,7 +47,15 @@ ISOLATED = {
 }
 IMPORT_TIMEOUT_S = float(os.environ.get("PREFLIGHT_IMPORT_TIMEOUT_S", "15"))  # all the imports together
 # The steps of gpu_check.sh that this module decides (in the script's order).
-STEPS = ("gpu_tests_loss", "gpu_tests_throughput", "loss_table", "step_2b", "head_table", "compile_test")
+STEPS = (
+    "gpu_tests_loss",
+    "gpu_tests_head",
+    "gpu_tests_throughput",
+    "loss_table",
+    "step_2b",
+    "head_table",
+    "compile_test",
+)
 KERNEL_METHODS = "cross_entropy,ntil,ntil_eager,liger"
 TORCH_METHODS = "cross_entropy,ntil_torch"
 MIN_TRANSFORMERS = (5, 24)
@@ -270,6 +278,7 @@ def decide(f: dict) -> dict[str, dict]:
     throughput_missing = sorted(missing & {"psutil", "PIL", "yaml", "pydantic"})
     steps = {
         "gpu_tests_loss": need(no_cuda, no_pytest),
+        "gpu_tests_head": need(no_cuda, no_pytest),
         "gpu_tests_throughput": need(
             no_cuda,
             no_pytest,
@@ -433,13 +442,14 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--out", type=Path, help="folder for preflight.json (default: print only)")
-    parser.add_argument("--step", help="print the decision for this gpu_check.sh step and exit")
+    parser.add_argument("--step", help="print the decision for this gpu_check.sh step ('all': each) and exit")
     parser.add_argument("--from", dest="source", type=Path, help="--step: the preflight.json to read")
     args = parser.parse_args()
     if args.step:
         if args.source is None:
             parser.error("--step needs --from PREFLIGHT_JSON")
-        print(step_decision(args.source, args.step))
+        for step in STEPS if args.step == "all" else [args.step]:  # all: one line per step, named
+            print((f"{step}\t" if args.step == "all" else "") + step_decision(args.source, step))
         return
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

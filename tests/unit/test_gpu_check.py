@@ -21,6 +21,7 @@ from tests.conftest import REPO_ROOT
 SCRIPT = REPO_ROOT / "benchmarks" / "gpu_check.sh"
 GPU_STEPS = (
     "gpu_tests_loss",
+    "gpu_tests_head",
     "gpu_tests_throughput",
     "loss_table",
     "step_2b",
@@ -37,7 +38,9 @@ no_cuda_path = pytest.mark.skipif(
 def run_script(cwd, *args, out=None, bin_dir=None, timeout=180):
     """The script from ``cwd``; OUT is ``out`` as given (default: ``cwd``), ``bin_dir`` first on PATH."""
     path = f"{bin_dir}:/usr/bin:/bin" if bin_dir else "/usr/bin:/bin"
-    env = {"PATH": path, "OUT": str(out or cwd), "PYTHON": sys.executable, "HOME": str(cwd)}
+    # GPU_CHECK_PREFLIGHT_S: the preflight's 20 s are the GPU machine's; 2 shared cores may need more
+    env = {"PATH": path, "OUT": str(out or cwd), "PYTHON": sys.executable, "HOME": str(cwd),
+           "GPU_CHECK_PREFLIGHT_S": "90"}  # fmt: skip
     started = time.perf_counter()
     result = subprocess.run(
         ["bash", str(SCRIPT), *map(str, args)],

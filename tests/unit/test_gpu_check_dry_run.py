@@ -13,6 +13,7 @@ ORDER = [
     "setup",
     "preflight",
     "gpu_tests_loss",
+    "gpu_tests_head",
     "gpu_tests_throughput",
     "loss_table",
     "step_2b",

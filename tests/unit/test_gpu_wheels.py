@@ -40,6 +40,7 @@ GPU_ROOTS = [
     ),
     "tests.conftest",
     "tests.gpu.test_loss_cuda",
+    "tests.gpu.test_labelled_head_cuda",
     "tests.gpu.test_throughput_cuda",
     "ntil_ds.trainer",  # loss_pair_job.py's Trainer, imported inside main()
     "ntil_ds.ds_config",
