@@ -305,6 +305,7 @@ for entry in "${STEPS[@]:2}"; do
     skip "$step" "$budget" "no time left of the $TOTAL_S s"
     continue
   fi
+  case $step in loss_table | head_table) : >"$OUT_DIR/$step.jsonl" ;; esac # this run's rows only
   run_step "$step" $((budget < left ? budget : left))
   if [ "$step" = step_2b ]; then # each job's records and log, whatever happened to the other
     for job in "$SCRATCH"/train_step/round*; do

@@ -163,6 +163,7 @@ def test_steps_run_in_order_with_budgets_clipped_to_the_total_and_each_outcome_r
     path = "/usr/bin:/bin"
     env = {"PATH": path, "OUT": str(tmp_path), "PYTHON": str(fake), "HOME": str(tmp_path),
            "GPU_CHECK_TOTAL_S": str(env_total), "PYTHONPATH": str(REPO_ROOT)}  # fmt: skip
+    (tmp_path / "loss_table.jsonl").write_text('{"stale": "a row of an earlier run in this OUT"}\n')
     result = subprocess.run(["bash", str(SCRIPT)], cwd=tmp_path, env=env, capture_output=True, text=True,
                             timeout=180)  # fmt: skip
     assert result.returncode == 1, result.stdout + result.stderr  # the CUDA steps fail on a CPU machine
@@ -172,6 +173,7 @@ def test_steps_run_in_order_with_budgets_clipped_to_the_total_and_each_outcome_r
         assert steps[step][:2] == ["passed", "0"], steps
     assert steps["loss_table"][:2] == ["failed", "1"]
     assert "no CUDA device visible to torch" in (tmp_path / "loss_table.log").read_text()
+    assert (tmp_path / "loss_table.jsonl").read_text() == ""  # this run's rows only (none: it failed)
     assert steps["step_2b"][:2] == ["failed", "2"] and steps["head_table"][:2] == ["failed", "2"]
     assert "torch sees no CUDA device" in (tmp_path / "step_2b.log").read_text()
     for step in GPU_STEPS[:-1]:
