@@ -150,42 +150,57 @@ exec {python} "$@"
 """
 
 
-@no_cuda_path
-def test_steps_run_in_order_with_budgets_clipped_to_the_total_and_each_outcome_recorded(tmp_path):
-    """With a preflight that lets every step run (as on a complete GPU machine), on this CPU machine: each
-    step runs under its budget, clipped to what is left of GPU_CHECK_TOTAL_S; a GPU step that fails here
-    (no CUDA) is recorded with its exit code and the next still runs; the optional compile test is
-    skipped when its whole budget is not left."""
-    fake = tmp_path / "python"
+def _run_with_every_step_allowed(out, total_s: int):
+    fake = out / "python"
     fake.write_text(FAKE_PREFLIGHT.format(python=sys.executable))
     fake.chmod(0o755)
-    env_total = 50  # < 45 s (the compile test's budget) + 5 s (kill grace) left by then, however fast
-    path = "/usr/bin:/bin"
-    env = {"PATH": path, "OUT": str(tmp_path), "PYTHON": str(fake), "HOME": str(tmp_path),
-           "GPU_CHECK_TOTAL_S": str(env_total), "PYTHONPATH": str(REPO_ROOT)}  # fmt: skip
+    env = {"PATH": "/usr/bin:/bin", "OUT": str(out), "PYTHON": str(fake), "HOME": str(out),
+           "GPU_CHECK_TOTAL_S": str(total_s), "PYTHONPATH": str(REPO_ROOT)}  # fmt: skip
+    result = subprocess.run(["bash", str(SCRIPT)], cwd=out, env=env, capture_output=True, text=True,
+                            timeout=300)  # fmt: skip
+    return result, summary(out)
+
+
+@no_cuda_path
+def test_with_every_step_allowed_each_runs_in_order_and_its_outcome_is_recorded(tmp_path):
+    """A preflight that lets every step run (as on a complete GPU machine), on this CPU machine: each step
+    runs under its budget; a GPU step that fails here (no CUDA) is recorded with its exit code and the
+    next still runs; pytest names every test; the JSONL tables hold this run's rows only."""
     (tmp_path / "loss_table.jsonl").write_text('{"stale": "a row of an earlier run in this OUT"}\n')
-    result = subprocess.run(["bash", str(SCRIPT)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                            timeout=180)  # fmt: skip
+    result, steps = _run_with_every_step_allowed(tmp_path, 540)
     assert result.returncode == 1, result.stdout + result.stderr  # the CUDA steps fail on a CPU machine
-    steps = summary(tmp_path)
     assert list(steps) == ["setup", "preflight", *GPU_STEPS]
-    for step in ("gpu_tests_loss", "gpu_tests_throughput"):  # collected, every test skipped without CUDA
-        assert steps[step][:2] == ["passed", "0"], steps
+    for step in ("gpu_tests_loss", "gpu_tests_head", "gpu_tests_throughput", "compile_test"):
+        assert steps[step][:2] == ["passed", "0"], steps  # collected, every test skipped without CUDA
     assert steps["loss_table"][:2] == ["failed", "1"]
     assert "no CUDA device visible to torch" in (tmp_path / "loss_table.log").read_text()
-    assert (tmp_path / "loss_table.jsonl").read_text() == ""  # this run's rows only (none: it failed)
+    assert (tmp_path / "loss_table.jsonl").read_text() == ""  # none: it failed before its first row
     assert steps["step_2b"][:2] == ["failed", "2"] and steps["head_table"][:2] == ["failed", "2"]
     assert "torch sees no CUDA device" in (tmp_path / "step_2b.log").read_text()
-    for step in GPU_STEPS[:-1]:
-        budget = int(steps[step][3])
-        assert 0 < budget <= env_total - 5, (step, budget)
-    assert int(steps["gpu_tests_loss"][3]) < 60  # its 60 s clipped to what was left of the 50
-    status, _, _, _, detail = steps["compile_test"]
-    assert status == "skipped" and detail.startswith("optional, and only") and "of the 50 s" in detail
-    # -v -rA: every test by name, so a killed run still shows which finished
-    log = (tmp_path / "gpu_tests_loss.log").read_text()
+    assert [int(steps[s][3]) for s in GPU_STEPS] == [50, 15, 45, 90, 200, 40, 45]  # the plan's budgets
+    log = (tmp_path / "gpu_tests_loss.log").read_text()  # -v: a killed run still shows what finished
     assert "test_loss_cuda.py::test_cuda_matches_float64_cpu[torch-dtype0-1e-05-1e-06] SKIPPED" in log
     assert "compiled_number_stage" not in log
+    assert (
+        "test_compiled_number_stage_matches_eager_on_cuda SKIPPED"
+        in (tmp_path / "compile_test.log").read_text()
+    )
+
+
+@no_cuda_path
+def test_budgets_are_clipped_to_what_is_left_and_the_compile_test_needs_its_whole_budget(tmp_path):
+    """GPU_CHECK_TOTAL_S=16 (of which 5 s are the kill grace): the first GPU step gets what is left, the
+    steps after it that cannot have 10 s are skipped as out of time, the optional compile test too."""
+    result, steps = _run_with_every_step_allowed(tmp_path, 16)
+    assert list(steps) == ["setup", "preflight", *GPU_STEPS]
+    assert int(steps["gpu_tests_loss"][3]) <= 16 - 5 < 50  # clipped
+    assert steps["gpu_tests_loss"][0] in ("passed", "timeout")
+    assert result.returncode == (0 if steps["gpu_tests_loss"][0] == "passed" else 1)  # skips fail nothing
+    for step in GPU_STEPS[1:-1]:
+        status, code, seconds, _, detail = steps[step]
+        assert (status, code, seconds, detail) == ("skipped", "-", "0", "no time left of the 16 s"), step
+    status, _, _, _, detail = steps["compile_test"]
+    assert status == "skipped" and detail.startswith("optional, and only") and detail.endswith("of the 16 s")
 
 
 @pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck is not installed")
