@@ -189,18 +189,23 @@ def test_with_every_step_allowed_each_runs_in_order_and_its_outcome_is_recorded(
 
 @no_cuda_path
 def test_budgets_are_clipped_to_what_is_left_and_the_compile_test_needs_its_whole_budget(tmp_path):
-    """GPU_CHECK_TOTAL_S=16 (of which 5 s are the kill grace): the first GPU step gets what is left, the
-    steps after it that cannot have 10 s are skipped as out of time, the optional compile test too."""
-    result, steps = _run_with_every_step_allowed(tmp_path, 16)
+    """GPU_CHECK_TOTAL_S=40 (5 s of it the kill grace): the first GPU step's 50 s are clipped to what is
+    left; each later step runs within what is left or, with less than 10 s left, is skipped as out of
+    time; the optional compile test (45 s) never has its whole budget. Whatever this machine's speed."""
+    result, steps = _run_with_every_step_allowed(tmp_path, 40)
     assert list(steps) == ["setup", "preflight", *GPU_STEPS]
-    assert int(steps["gpu_tests_loss"][3]) <= 16 - 5 < 50  # clipped
-    assert steps["gpu_tests_loss"][0] in ("passed", "timeout")
-    assert result.returncode == (0 if steps["gpu_tests_loss"][0] == "passed" else 1)  # skips fail nothing
+    bad = any(fields[0] in ("failed", "timeout") for fields in steps.values())
+    assert result.returncode == int(bad), result.stdout + result.stderr  # a skip for time fails nothing
+    planned = dict(zip(GPU_STEPS, [50, 15, 45, 90, 200, 40, 45], strict=True))
+    assert 10 <= int(steps["gpu_tests_loss"][3]) <= 35 < planned["gpu_tests_loss"]  # clipped, and ran
     for step in GPU_STEPS[1:-1]:
-        status, code, seconds, _, detail = steps[step]
-        assert (status, code, seconds, detail) == ("skipped", "-", "0", "no time left of the 16 s"), step
+        status, code, seconds, budget, detail = steps[step]
+        if status == "skipped":
+            assert (code, seconds, detail) == ("-", "0", "no time left of the 40 s"), step
+        else:
+            assert 10 <= int(budget) <= min(35, planned[step]) and code != "-", step
     status, _, _, _, detail = steps["compile_test"]
-    assert status == "skipped" and detail.startswith("optional, and only") and detail.endswith("of the 16 s")
+    assert status == "skipped" and detail.startswith("optional, and only") and detail.endswith("of the 40 s")
 
 
 @pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck is not installed")
