@@ -107,7 +107,7 @@ step_command() { # STEP EXTRA (methods for loss_table, overrides for step_2b)
     gpu_tests_loss) CMD=("${pytest[@]}" tests/gpu/test_loss_cuda.py -k "not $COMPILED_TEST") ;;
     gpu_tests_head) CMD=("${pytest[@]}" tests/gpu/test_labelled_head_cuda.py) ;;
     gpu_tests_throughput) CMD=("${pytest[@]}" tests/gpu/test_throughput_cuda.py) ;;
-    loss_table) CMD=("$PYTHON" -m benchmarks.loss_speed --device cuda --methods "${LOSS_METHODS:-${2:-cross_entropy}}"
+    loss_table) CMD=("$PYTHON" -m benchmarks.loss_speed --device cuda --methods "${LOSS_METHODS:-${2:-cross_entropy,liger,ntil,ntil_eager}}"
       --dtypes "$LOSS_DTYPES" --jsonl "$OUT_DIR/loss_table.jsonl") ;;
     step_2b)
       # 4 measured steps of 16 clock samples (~5k tokens) per job after 1 warm-up, parameters built on

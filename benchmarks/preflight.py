@@ -2,7 +2,7 @@
 steps can run.
 
     python -m benchmarks.preflight --out DIR        # writes DIR/preflight.json as it goes
-    python -m benchmarks.preflight --step step_2b --from DIR/preflight.json   # "run" or "skip<TAB>why"
+    python -m benchmarks.preflight --step all --from DIR/preflight.json   # each step: run|skip, why, args
 
 Findings, each section written to preflight.json as soon as it is known (a kill keeps what finished):
 
@@ -36,27 +36,15 @@ import time
 from pathlib import Path
 
 MANIFEST = Path(__file__).with_name("gpu_wheels.txt")
-# label -> module imported in a subprocess (its version: module.__version__)
-# (each in its own process: they import torch, the slow part, and one that hangs delays no other)
-ISOLATED = {
-    "deepspeed": "deepspeed",
-    "accelerate": "accelerate",
-    "transformers": "transformers",
-    "liger": "liger_kernel",
-    "flash_attn": "flash_attn",
-}
+# label -> module, each imported in its own process (they import torch, the slow part; one that hangs
+# delays no other)
+ISOLATED = {"deepspeed": "deepspeed", "accelerate": "accelerate", "transformers": "transformers",
+            "liger": "liger_kernel", "flash_attn": "flash_attn"}  # fmt: skip
 IMPORT_TIMEOUT_S = float(os.environ.get("PREFLIGHT_IMPORT_TIMEOUT_S", "15"))  # all the imports together
 # The steps of gpu_check.sh that this module decides (in the script's order).
-STEPS = (
-    "gpu_tests_loss",
-    "gpu_tests_head",
-    "gpu_tests_throughput",
-    "loss_table",
-    "step_2b",
-    "head_table",
-    "compile_test",
-)
-KERNEL_METHODS = "cross_entropy,ntil,ntil_eager,liger"
+STEPS = ("gpu_tests_loss", "gpu_tests_head", "gpu_tests_throughput", "loss_table", "step_2b", "head_table",
+         "compile_test")  # fmt: skip
+KERNEL_METHODS = "cross_entropy,liger,ntil,ntil_eager"
 TORCH_METHODS = "cross_entropy,ntil_torch"
 MIN_TRANSFORMERS = (5, 24)
 DIGITS = [17, 3, 25, 8, 30, 11, 2, 29, 14, 21]
@@ -363,27 +351,8 @@ def run(out: Path | None) -> Findings:
     device = _kernel_device(torch, cuda["available"]) if torch is not None else None
 
     no_triton = triton is None and "triton does not import"
-    checks = (
-        ("triton_launch", triton_launch, no_triton),
-        ("ntil_triton_vs_torch", ntil_against_torch, no_triton),
-        (
-            "launches",
-            launch_count,
-            not cuda["available"] and "cuda absent (the profiler counts GPU launches)",
-        ),
-    )
-    for key, check, impossible in checks:
-        why = "cuda absent" if device is None else impossible
-        if why:
-            f.set(key, {"ok": False, "skipped": why, "error": why})
-            continue
-        if key != "triton_launch" and not f["triton_launch"].get("ok"):
-            f.set(key, {"ok": False, "skipped": "no Triton launch", "error": "no Triton launch"})
-            continue
-        try:
-            f.set(key, {"ok": True, **check(torch, device)})
-        except Exception as error:  # the finding, not a crash: later checks and steps still run
-            f.set(key, {"ok": False, "error": _error(error)})
+    _check(f, "triton_launch", triton_launch, torch, device, no_triton)
+    _check(f, "ntil_triton_vs_torch", ntil_against_torch, torch, device, no_triton)
 
     imported = {}
     for label, process in isolated.items():
@@ -401,9 +370,25 @@ def run(out: Path | None) -> Findings:
     summary = f"missing: {listed}" if missing else "all import"
     f.set("manifest", {"file": str(MANIFEST), "missing_modules": missing, "summary": summary})
     f.set("transformers_imported_here", "transformers" in sys.modules)  # must stay False
-    f.set("steps", decide(f))
+    f.set("steps", decide(f))  # before the profiler's count, the slowest part: a kill keeps the decisions
+    no_count = not cuda["available"] and "cuda absent (the profiler counts GPU launches)"
+    _check(f, "launches", launch_count, torch, device, no_count)
     f.set("seconds", round(time.monotonic() - started, 2))
     return f
+
+
+def _check(f: Findings, key: str, check, torch, device, impossible) -> None:
+    """One check's finding: its result, or why it was skipped, or the error it raised (never a crash)."""
+    why = "cuda absent" if device is None else impossible
+    if not why and key != "triton_launch" and not f["triton_launch"].get("ok"):
+        why = "no Triton launch"
+    if why:
+        f.set(key, {"ok": False, "skipped": why, "error": why})
+        return
+    try:
+        f.set(key, {"ok": True, **check(torch, device)})
+    except Exception as error:  # the finding, not a crash: later checks and steps still run
+        f.set(key, {"ok": False, "error": _error(error)})
 
 
 def print_report(f: Findings) -> None:
