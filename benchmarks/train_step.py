@@ -260,6 +260,7 @@ def main() -> None:
         from benchmarks.model_2b import matmul_params
 
         matmul = matmul_params(model / "config.json")
+    order = list(jobs)  # the table's order (the rounds reverse the jobs)
     samples: dict[str, list[StepRecord]] = {v: [] for job in jobs for v in job.variants()}
     failures: dict[str, str] = {}
     for round_index in range(args.rounds):
@@ -290,10 +291,10 @@ def main() -> None:
                 failures[f"round {round_index + 1} {job.name}"] = str(error).splitlines()[0][:300]
                 print(f"    FAILED: {error}", flush=True)
             print(f"    done in {time.perf_counter() - started:.0f} s (log: {out / 'job.log'})", flush=True)
-            write_results(workdir, args, summarize(samples, setups, jobs, matmul, args), failures)
+            write_results(workdir, args, summarize(samples, setups, order, matmul, args), failures)
         jobs.reverse()
 
-    summary = summarize(samples, setups, jobs, matmul, args)
+    summary = summarize(samples, setups, order, matmul, args)
     write_results(workdir, args, summary, failures)
     print_table(summary, args)
     print(f"results: {workdir / 'results.json'}; total {time.perf_counter() - started_all:.0f} s")
