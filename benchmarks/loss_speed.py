@@ -221,18 +221,27 @@ def main() -> None:
     parser.add_argument(
         "--tp", default="2,4", help="tensor-parallel sizes for the vocab-parallel rows ('' = none)"
     )
+    parser.add_argument("--jsonl", help="--device cuda: append each row to this file as it is measured")
+    parser.add_argument(
+        "--dry-run", action="store_true", help="--device cuda: check the arguments, print the plan, exit"
+    )
     parser.add_argument("--memory-worker", nargs=4, metavar=("METHOD", "B", "T", "V"), help=argparse.SUPPRESS)
     parser.add_argument("--time-worker", nargs=4, metavar=("METHODS", "B", "T", "V"), help=argparse.SUPPRESS)
     parser.add_argument("--vp-worker", nargs=4, metavar=("TP", "B", "T", "V"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.device == "cuda":
-        from benchmarks.loss_speed_cuda import CUDA_METHODS, CUDA_SHAPES, run
+        from benchmarks.loss_speed_cuda import CUDA_METHODS, CUDA_SHAPES, check_plan, run
 
         shapes = CUDA_SHAPES
         if args.shapes:
             shapes = [tuple(int(d) for d in shape.split("x")) for shape in args.shapes.split(",")]
-        methods = (args.methods or ",".join(CUDA_METHODS)).split(",")
-        run(shapes, [d for d in args.dtypes.split(",") if d], [m for m in methods if m], args.repeats or 10)
+        methods = [m for m in (args.methods or ",".join(CUDA_METHODS)).split(",") if m]
+        dtypes = [d for d in args.dtypes.split(",") if d]
+        check_plan(methods, dtypes)  # a typo fails here, before any GPU work
+        if args.dry_run:
+            print(f"would run: shapes {shapes}, dtypes {dtypes}, methods {methods}, jsonl {args.jsonl}")
+            return
+        run(shapes, dtypes, methods, args.repeats or 10, jsonl=args.jsonl)
         return
     args.repeats = args.repeats or 3
     args.methods = args.methods or ",".join(METHODS)
