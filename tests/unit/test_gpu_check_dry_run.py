@@ -7,19 +7,9 @@ from __future__ import annotations
 
 import zipfile
 
-from tests.unit.test_gpu_check import run_script, summary
+from tests.unit.test_gpu_check import GPU_STEPS, run_script, summary
 
-ORDER = [
-    "setup",
-    "preflight",
-    "gpu_tests_loss",
-    "gpu_tests_head",
-    "gpu_tests_throughput",
-    "loss_table",
-    "step_2b",
-    "head_table",
-    "compile_test",
-]
+ORDER = ["setup", "preflight", *GPU_STEPS]
 DEVICE_COMMAND_S = 540
 
 
