@@ -31,18 +31,18 @@ SIGNED_DECIMAL = {
 }
 
 
-def _number(generator, widths, max_tokens=3):
+def _number(generator, widths, max_tokens=3, table=TABLE):
     """The tokens of one number as a grouped-from-the-left tokenizer writes it (or any widths: the loss
     takes the label's own tokenization)."""
     count = int(torch.randint(1, max_tokens + 1, (1,), generator=generator))
     tokens = []
     for _ in range(count):
         width = widths[int(torch.randint(0, len(widths), (1,), generator=generator))]
-        tokens.append(TABLE[width][int(torch.randint(0, 10**width, (1,), generator=generator))])
+        tokens.append(table[width][int(torch.randint(0, 10**width, (1,), generator=generator))])
     return tokens
 
 
-def grouped_batch(batch, length, *, seed, table=TABLE, dtype=torch.float64, others=OTHERS):
+def grouped_batch(batch, length, *, seed, table=TABLE, dtype=torch.float64, others=OTHERS, vocab=VOCAB):
     """Labels made of numbers (some signed, some with one decimal point, some with two), words and -100."""
     generator = torch.Generator().manual_seed(seed)
     widths = sorted(table)
@@ -52,14 +52,18 @@ def grouped_batch(batch, length, *, seed, table=TABLE, dtype=torch.float64, othe
         while len(row) < length:
             kind = int(torch.randint(0, 6, (1,), generator=generator))
             if kind == 0:
-                row += [MINUS, *_number(generator, widths)]
+                row += [MINUS, *_number(generator, widths, table=table)]
             elif kind == 1:
-                row += [*_number(generator, widths), POINT, *_number(generator, widths)]
+                row += [
+                    *_number(generator, widths, table=table),
+                    POINT,
+                    *_number(generator, widths, table=table),
+                ]
             elif kind == 2:
                 row += [
-                    *_number(generator, widths, 2),
+                    *_number(generator, widths, 2, table=table),
                     POINT,
-                    *_number(generator, widths, 1),
+                    *_number(generator, widths, 1, table=table),
                     POINT,
                     table[1][3],
                 ]
@@ -67,12 +71,12 @@ def grouped_batch(batch, length, *, seed, table=TABLE, dtype=torch.float64, othe
                 row += [-100] * int(torch.randint(1, 3, (1,), generator=generator))
             else:
                 row += [
-                    *_number(generator, widths),
+                    *_number(generator, widths, table=table),
                     others[int(torch.randint(2, len(others), (1,), generator=generator))],
                 ]
         rows.append(row[:length])
     labels = torch.tensor(rows)
-    logits = torch.randn(batch, length, VOCAB, generator=generator, dtype=torch.float64) * 2
+    logits = torch.randn(batch, length, vocab, generator=generator, dtype=torch.float64) * 2
     # Make the argmax land on the right token at some positions, so that REL is 0 for some runs.
     hit = (torch.rand(batch, length, generator=generator) < 0.3) & (labels >= 0)
     logits[(*hit.nonzero(as_tuple=True), labels[hit])] += 8.0
