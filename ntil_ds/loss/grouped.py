@@ -15,6 +15,11 @@ import torch
 from ntil_ds.loss.grouped_terms import NumberTokenTable, grouped_number_terms
 from ntil_ds.loss.ntil import NTILLoss
 
+# The Triton vocabulary kernels hold the gathered columns as one vector of next_power_of_2(K) lanes and their
+# backward forms a [lanes, lanes] same-id matrix: at K = 1,110 (widths 1-3) that is 2048**2 = 4M elements,
+# over Triton's 2**20 tensor limit (and far too many registers on a GPU). Up to 1,024 columns they run.
+KERNEL_MAX_COLUMNS = 1024
+
 
 class GroupedNTILLoss(NTILLoss):
     """`NTILLoss` reading numbers through a number token table (`NumberTokenTable` or a dict width -> the
@@ -22,7 +27,10 @@ class GroupedNTILLoss(NTILLoss):
 
     `number_stage`: the grouped number stage is written in torch only (no Triton number kernels yet), so
     "auto" runs it eagerly on every device, "compile" through torch.compile, and "triton" is refused. The
-    vocabulary stage (`kernel`) is NTILLoss's, Triton kernels on CUDA included: they take any column count.
+    vocabulary stage (`kernel`) is NTILLoss's, except that the Triton vocabulary kernels take at most
+    `KERNEL_MAX_COLUMNS` gathered columns: a table with 3-digit tokens (1,110 columns) makes kernel="auto" run
+    the torch tiles on every device (`kernel_note` says so) and kernel="triton" an error; with widths 1-2
+    (110 columns) "auto" is NTILLoss's choice.
     """
 
     def __init__(self, number_token_table, **kwargs) -> None:
@@ -31,6 +39,19 @@ class GroupedNTILLoss(NTILLoss):
             raise ValueError(
                 "GroupedNTILLoss: number_stage='triton' is not available for grouped digits (the Triton number "
                 "kernels read ten digit columns); use number_stage='auto', 'eager' or 'compile'."
+            )
+        columns = len(table.column_ids) + int(bool(kwargs.get("signed_numbers")))
+        self.kernel_note = ""
+        if columns > KERNEL_MAX_COLUMNS:
+            if kwargs.get("kernel") == "triton":
+                raise ValueError(
+                    f"GroupedNTILLoss: kernel='triton' takes at most {KERNEL_MAX_COLUMNS} gathered columns, this "
+                    f"table has {columns} (widths {table.widths}); use kernel='auto' or 'torch'."
+                )
+            kwargs["kernel"] = "torch"
+            self.kernel_note = (
+                f"kernel='auto' runs the torch tiles: the Triton vocabulary kernels take at most "
+                f"{KERNEL_MAX_COLUMNS} gathered columns and this table has {columns} (widths {table.widths})."
             )
         super().__init__(list(table.ids[1]), **kwargs)
         numbers = set(table.column_ids)

@@ -304,3 +304,34 @@ def test_table_columns_in_width_order():
     table = NumberTokenTable.of(TABLE)
     assert table.widths == (1, 2, 3) and table.noise_half == 1000
     assert table.column_ids == TABLE[1] + TABLE[2] + TABLE[3]
+
+
+def test_kernel_choice_for_tables_the_vocabulary_kernels_cannot_take():
+    """Widths 1-3 (1,110 columns): kernel="auto" runs the torch tiles and says why, "triton" is refused;
+    widths 1-2 (110 columns) keep NTILLoss's choice (the kernels are checked in the interpreter below)."""
+    loss_fn = GroupedNTILLoss(TABLE)
+    assert loss_fn.kernel == "torch" and "at most 1024 gathered columns" in loss_fn.kernel_note
+    with pytest.raises(ValueError, match="kernel='triton' takes at most 1024 gathered columns"):
+        GroupedNTILLoss(TABLE, kernel="triton")
+    narrow = GroupedNTILLoss({1: TABLE[1], 2: TABLE[2]})
+    assert (narrow.kernel, narrow.kernel_note) == ("auto", "")
+
+
+@pytest.mark.slow
+def test_vocabulary_kernels_in_the_interpreter():
+    """tests/unit/grouped_kernel_checks.py under TRITON_INTERPRET=1 (a subprocess: the flag must be set
+    before the kernels are defined)."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    checks = Path(__file__).resolve().parent / "grouped_kernel_checks.py"
+    path = os.pathsep.join(p for p in (str(checks.parents[2]), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+    done = subprocess.run([sys.executable, str(checks)], capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    assert results and all(result == "ok" for result in results.values()), results
