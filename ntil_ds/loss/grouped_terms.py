@@ -165,14 +165,15 @@ def grouped_number_terms(
         target_position = torch.where(here, target, target_position)
         # Sequence level: each covered digit of the straight-through value at its place.
         samples = [("rel", rel_noise), ("mag", mag_noise)] if mag_noise is not None else [("rel", rel_noise)]
-        with torch.set_grad_enabled(torch.is_grad_enabled() and params.uses_gumbel):
-            for name, sample in samples:
-                hard = straight_through(logits_w, None if sample is None else sample[:, :count])
-                predicted = torch.zeros(num_slots, dtype=dtype, device=device)
-                for j in range(w):
-                    predicted = predicted + (hard @ digits[j]) * place_value(place + j)
-                previous = contributions[name]
-                contributions[name] = torch.where(here, predicted, 0.0 if previous is None else previous)
+        for name, sample in samples:
+            hard = straight_through(logits_w, None if sample is None else sample[:, :count])
+            if not params.uses_gumbel:  # REL/MAG weigh 0: reported, no gradient (detach: torch.compile-able)
+                hard = hard.detach()
+            predicted = torch.zeros(num_slots, dtype=dtype, device=device)
+            for j in range(w):
+                predicted = predicted + (hard @ digits[j]) * place_value(place + j)
+            previous = contributions[name]
+            contributions[name] = torch.where(here, predicted, 0.0 if previous is None else previous)
 
     weighted = torch.where(is_number, emd_position, 0.0).view(batch, -1)
     emd = weighted.sum(dim=1) / digits_per_sequence.clamp(min=1)

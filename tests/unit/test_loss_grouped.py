@@ -335,3 +335,19 @@ def test_vocabulary_kernels_in_the_interpreter():
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = json.loads(done.stdout.strip().splitlines()[-1])
     assert results and all(result == "ok" for result in results.values()), results
+
+
+@pytest.mark.slow
+def test_compiled_number_stage_equals_eager():
+    """number_stage="compile" (torch.compile of the grouped stage, dynamic shapes) against "eager"."""
+    logits, labels = grouped_batch(3, 20, seed=2, dtype=torch.float32)
+    results = {}
+    for stage in ("eager", "compile"):
+        loss_fn = GroupedNTILLoss(TABLE, number_stage=stage, gumbel_noise_scale=0.0, **SIGNED_DECIMAL)
+        leaf = logits.clone().requires_grad_()
+        out = loss_fn(leaf, labels)
+        out.loss.backward()
+        results[stage] = (out, leaf.grad)
+    for field in FIELDS:
+        torch.testing.assert_close(getattr(results["compile"][0], field), getattr(results["eager"][0], field))
+    torch.testing.assert_close(results["compile"][1], results["eager"][1], rtol=1e-5, atol=1e-6)
