@@ -55,7 +55,7 @@ log = logging.getLogger(__name__)
 class CachedConversationDataset(torch.utils.data.Dataset):
     """`ConversationDataset` over mapped arrays. `cache_status` says what happened: "built", "reused",
     or "rebuilt because ..." (also logged). `on_locked`: called once this process holds the exclusive
-    build lock (then taken at once, without a reader's look first)."""
+    build lock, taken only when the cache is missing or stale (`load_dataset` calls it otherwise)."""
 
     def __init__(
         self,
@@ -81,10 +81,12 @@ class CachedConversationDataset(torch.utils.data.Dataset):
         root = cache_root(self.path, cache_dir, output_dir)
         slot = slot_name(self.path, processor, max_seq_len, on_bad_sample)
         folder = root / slot
-        arrays = None
-        if on_locked is None:  # a reader first: a valid cache needs no exclusive lock
-            with locked(root, slot, exclusive=False):
-                arrays, _ = check(folder, key)
+        # A reader first, the main rank too: a valid cache needs no exclusive lock. The main rank must not
+        # take it for a cache that checks: another rank may still be waiting for its shared lock on the same
+        # slot from the dataset before (data.eval_file = data.train_file), and would wait on it forever
+        # while the main rank waits for it in the barrier.
+        with locked(root, slot, exclusive=False):
+            arrays, _ = check(folder, key)
         self.cache_status = "reused"
         if arrays is None:
             with locked(root, slot, exclusive=True):  # one builder; the others wait here, then reuse

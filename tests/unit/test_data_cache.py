@@ -316,6 +316,11 @@ def test_ranks_meet_once_with_the_main_rank_holding_the_lock(tmp_path, processor
         path, processors["qwen2"], 128, "skip", cache_dir=tmp_path / "c", barrier=barrier, is_main=False
     )
     assert held == [True, False] and other.cache_status == "reused"
+    # The same file again (data.eval_file = data.train_file): the cache checks, so the main rank meets
+    # the others without the exclusive lock; holding it, it would wait in the barrier for a rank that
+    # still waits for its shared lock on this slot from the dataset before (a deadlock seen on 2 ranks).
+    again = load_dataset(path, processors["qwen2"], 128, "skip", cache_dir=tmp_path / "c", barrier=barrier)
+    assert held == [True, False, False] and again.cache_status == "reused"
     calls = []
     with pytest.raises(DataError, match="data file not found"):  # before any lock
         load_dataset(
