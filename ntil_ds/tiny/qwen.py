@@ -1,4 +1,4 @@
-"""Tiny Qwen folders: Qwen2 (text only), Qwen2-VL, Qwen2.5-VL and Qwen3-VL.
+"""Tiny Qwen folders: Qwen2 (text only), Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE.
 
 The VL families share the tokenizer, the processor files and the 2x2 patch merge; each differs in its
 vision tower and rotary settings. Chat templates (``templates/``): Qwen2-VL / Qwen2.5-VL's real one
@@ -122,6 +122,31 @@ def build_qwen2_5_vl(out_dir: Path) -> None:
 def build_qwen3_vl(out_dir: Path) -> None:
     from transformers import Qwen3VLConfig
 
+    _build_qwen3_vl_like(out_dir, Qwen3VLConfig, "Qwen3VLProcessor")
+
+
+# Qwen3-VL-30B-A3B's routing, shrunk: 4 experts of which each token takes 2 (the real model: 128 and 8),
+# every layer sparse (decoder_sparse_step 1), the family's aux-loss coefficient (0.001). The expert
+# weights must not be square (2 * 24 != 64): transformers tells a Hub checkpoint's transposed layout from
+# its own by the shapes alone (conversion_mapping's Transpose(check_dims=True)).
+_QWEN3_VL_MOE_TEXT = {
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 24,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "router_aux_loss_coef": 0.001,
+}
+
+
+def build_qwen3_vl_moe(out_dir: Path) -> None:
+    """Qwen3-VL-MoE (Qwen3-VL-30B-A3B, -235B-A22B): Qwen3-VL's vision tower and template, MoE layers."""
+    from transformers import Qwen3VLMoeConfig
+
+    _build_qwen3_vl_like(out_dir, Qwen3VLMoeConfig, "Qwen3VLProcessor", **_QWEN3_VL_MOE_TEXT)
+
+
+def _build_qwen3_vl_like(out_dir: Path, config_class: type, processor_class: str, **text_fields) -> None:
     # Interleaved M-RoPE; the sections sum to head_dim / 2 as in the real [24, 20, 20] for head_dim 128.
     tokenizer, text, ids = _qwen_vl_text_and_ids(
         "qwen3_vl",
@@ -132,8 +157,9 @@ def build_qwen3_vl(out_dir: Path) -> None:
             "mrope_interleaved": True,
         },
         head_dim=16,
+        **text_fields,
     )
-    config = Qwen3VLConfig(
+    config = config_class(
         text_config=text,
         vision_config={
             "depth": 2,
@@ -151,7 +177,7 @@ def build_qwen3_vl(out_dir: Path) -> None:
         **ids,
     )
     config.save_pretrained(out_dir)
-    _save_qwen_vl_processor(out_dir, "Qwen3VLProcessor", tokenizer)
+    _save_qwen_vl_processor(out_dir, processor_class, tokenizer)
 
 
 def build_qwen2(out_dir: Path) -> None:
