@@ -54,6 +54,7 @@ from ntil_ds.loss.build import build_loss, check_loss_supports, head_on_labelled
 from ntil_ds.model import load_model
 from ntil_ds.model.packing import rope_fn_for
 from ntil_ds.model.tensor_parallel import find_vocab_shard
+from ntil_ds.moe import router_terms_for
 from ntil_ds.nonfinite import raise_non_finite_gradient, raise_non_finite_loss
 from ntil_ds.objective import Objective, gumbel_generator
 from ntil_ds.preemption import PreemptionWatcher
@@ -131,8 +132,9 @@ class Trainer:
             log.info(
                 "loss.name=%s reads the logits of every position: the head runs on all of them", cfg.loss.name
             )
+        router = router_terms_for(self.loaded.model, cfg.model.router_aux_loss_coef)  # MoE: aux loss, load
         self.objective = Objective(
-            self.engine, loss_fn, vocab_shard, self.device, self.loaded.dtype, labelled
+            self.engine, loss_fn, vocab_shard, self.device, self.loaded.dtype, labelled, router
         )
 
         self.collator = Collator(self.processor, fake_image=cfg.data.fake_image)
@@ -267,8 +269,9 @@ class Trainer:
             self.engine.set_accumulation_boundary(last)  # packing varies the forwards per step
             generator = gumbel_generator(self.cfg.train.seed, step, index, self.dist.dp_rank, self.device)
             out = self.objective.loss(micro_batch, generator)
-            self.engine.backward(out.loss_sum * scale)
+            self.engine.backward(self.objective.step_sum(out, micro_batch) * scale)  # + a MoE's aux term
             _add_parts(sums, out)
+            self.objective.add_router_sums(sums, micro_batch)
             loss_sums.append(out.loss_sum.detach())
             if not last:
                 self.engine.step()  # not a boundary: DeepSpeed only counts the micro-step
@@ -304,6 +307,7 @@ class Trainer:
             "tokens_per_s": host["input_tokens"] / tp / elapsed,
             "step_time_s": elapsed,
             "peak_mem_mib": peak_memory_mib(self.device),  # rank 0's; ZeRO-3 ranks are alike
+            **self.objective.router_metrics(host, labelled, tp),  # MoE: aux_loss, expert load
         }
 
     def step_batches(self) -> Iterator[list[MicroBatch]]:

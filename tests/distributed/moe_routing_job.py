@@ -2,7 +2,7 @@
 
 A global forward hook records, for every training forward of a router (a module returning
 ``(router_logits, router_scores, router_indices)``, transformers' ``*TopKRouter``), the experts its
-tokens were sent to; each rank writes them to ``$MOE_PROBE_DIR/rank<R>.json`` when the run ends.
+tokens were sent to, and every training forward's aux loss (the model's ``aux_loss``); each rank writes them to ``$MOE_PROBE_DIR/rank<R>.json`` when the run ends.
 ``MOE_PROBE_NO_LEAF=1`` turns the engine's ZeRO-3 expert leaf modules off (to measure what they
 prevent). Used by test_train_moe.py.
 """
@@ -16,13 +16,17 @@ from pathlib import Path
 
 import torch
 
-records: list[list[int]] = []
+records: dict[str, list] = {"routes": [], "aux": []}
 
 
 def probe(module: torch.nn.Module, inputs: tuple, output: object) -> None:
-    if type(module).__name__.endswith("TopKRouter") and module.training:
+    if not module.training:
+        return
+    if type(module).__name__.endswith("TopKRouter"):
         _, _, indices = output
-        records.append(sorted(int(e) for e in indices.unique()))
+        records["routes"].append(sorted(int(e) for e in indices.unique()))
+    elif getattr(output, "aux_loss", None) is not None:  # the model's own output: its micro-batch's aux
+        records["aux"].append(float(output.aux_loss))
 
 
 if __name__ == "__main__":

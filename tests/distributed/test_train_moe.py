@@ -41,14 +41,16 @@ BARE_TEMPLATE = (
     "message['content'] | selectattr('text', 'defined') | map(attribute='text') | join('') }}"
     "{% if message['role'] == 'user' %} =\n{% else %}<|im_end|>\n{% endif %}{% endfor %}"
 )
-JOB_TIMEOUT_S = 300  # a hang ends as a failed job, well within the test's timeout
+JOB_TIMEOUT_S = 300
+# Far above the family's 0.001, so the aux loss's share of the gradient shows in the grad norms compared.
+AUX_COEF = 0.5  # a hang ends as a failed job, well within the test's timeout
 
 
 def write_rank_split_data(path, n: int = 12, seed: int = 3):
     rng = random.Random(seed)
     lines = []
     for i in range(n):
-        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        a, b = rng.randint(1, 9) if i % 3 else rng.randint(100, 999), rng.randint(1, 99)  # 1-4 digit sums
         question = RANK_PROMPTS[i % 2].format(a=a, b=b)
         messages = [{"role": "user", "content": question}, {"role": "assistant", "content": str(a + b)}]
         lines.append(json.dumps({"messages": messages}))
@@ -98,7 +100,7 @@ def moe_setup(tmp_path_factory):
     route_by_rank(model, dataset)
     model.save_pretrained(folder)
     hub_layout(folder / "model.safetensors")
-    return root, folder, data_file
+    return root, folder, data_file, dataset
 
 
 def hub_layout(weights_file) -> None:
@@ -138,33 +140,38 @@ def run_moe_steps(root, folder, data_file, name: str, nproc: int, micro_batch_si
         "train.save_every": 0,
         "train.export_at_end": "true",
         "tracking.enabled": "false",
+        "model.router_aux_loss_coef": AUX_COEF,
         **extra,
     }
     env = launch_env(MOE_PROBE_DIR=str(probe_dir))
     result = run_training(overrides, nproc=nproc, script=PROBE_JOB, env=env, timeout=JOB_TIMEOUT_S)
     assert result.returncode == 0, result.stdout[-6000:]
-    routes = [json.loads((probe_dir / f"rank{r}.json").read_text()) for r in range(nproc)]
+    probes = [json.loads((probe_dir / f"rank{r}.json").read_text()) for r in range(nproc)]
     return {
+        "routes": [p["routes"] for p in probes],
+        "aux": [p["aux"] for p in probes],
         "metrics": train_metrics(out),
         "weights": load_file(out / "export" / "model.safetensors"),
-        "routes": routes,
         "log": result.stdout,
     }
 
 
 @pytest.mark.timeout(900)
 def test_disjoint_experts_on_two_zero3_ranks_equal_one_process(moe_setup):
-    root, folder, data_file = moe_setup
-    reference = run_moe_steps(root, folder, data_file, "single", nproc=1, micro_batch_size=4)
+    root, folder, data_file, dataset = moe_setup
+    # One process, the whole global batch of each step as 4 micro-batches of one sample: the same
+    # micro-batches as the split run's, since the aux loss of a micro-batch is not additive over samples
+    # (a product of two means) and so, like NTIL's terms, legitimately depends on the split.
+    reference = run_moe_steps(root, folder, data_file, "single", nproc=1, micro_batch_size=1)
     split = run_moe_steps(root, folder, data_file, "split", nproc=2, micro_batch_size=1)
 
     # The routing the weights force: every forward of rank 0 used experts {0, 1} only, rank 1's {2, 3}
-    # (2 layers x 2 micro-batches x STEPS), while one process on the whole batch used all four.
+    # (2 layers x 2 micro-batches x STEPS); the one process's forwards alternate between the two.
     layers_per_step = 2 * 2
     assert len(split["routes"][0]) == len(split["routes"][1]) == layers_per_step * STEPS
     assert all(r == [0, 1] for r in split["routes"][0]), split["routes"][0]
     assert all(r == [2, 3] for r in split["routes"][1]), split["routes"][1]
-    assert all(r == [0, 1, 2, 3] for r in reference["routes"][0]), reference["routes"][0]
+    assert reference["routes"][0] == ([[0, 1]] * 2 + [[2, 3]] * 2) * 2 * STEPS, reference["routes"][0]
     assert "ZeRO-3 leaf modules: Qwen3VLMoeTextExperts" in split["log"]
 
     initial = {
@@ -176,7 +183,23 @@ def test_disjoint_experts_on_two_zero3_ranks_equal_one_process(moe_setup):
         assert got["labelled_tokens"] == want["labelled_tokens"], step
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-6), step
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5), step
+        # The aux loss (normalised as the loss is) and the experts' load, logged alike; all four
+        # experts took part in every step.
+        assert got["aux_loss"] == pytest.approx(want["aux_loss"], rel=1e-6) and got["aux_loss"] > 1.0, step
+        for key in ("expert_share_min", "expert_share_max", "experts_unused"):
+            assert got[key] == want[key], (step, key)
+        assert got["experts_unused"] == 0 and got["expert_share_max"] < 0.5, step
     for name, expected in reference["weights"].items():
         torch.testing.assert_close(split["weights"][name], expected, rtol=1e-5, atol=1e-7, msg=name)
+    # The logged aux loss is the step's micro-batch aux losses weighted by their labelled tokens over the
+    # step's count (not a mean of per-micro-batch values): from each forward's own aux_loss (the probe).
+    # Rank r's micro-batch m of step s is sample 4s + 2m + r (data.shuffle=false, stream position r + 2k).
+    targets = [int((dataset[i]["targets"] != -100).sum()) for i in range(len(dataset))]
+    for step in range(STEPS):
+        samples = {(r, m): 4 * step + 2 * m + r for r in (0, 1) for m in (0, 1)}
+        weighted = sum(split["aux"][r][2 * step + m] * targets[i] for (r, m), i in samples.items())
+        count = sum(targets[i] for i in samples.values())
+        assert split["metrics"][step + 1]["aux_loss"] == pytest.approx(weighted / count, rel=1e-6), step
+    assert len(set(targets[:4])) > 1  # unequal counts in a step: the weighting matters
     experts = [n for n in initial if ".mlp.experts." in n]
     assert experts and all(not torch.equal(reference["weights"][n], initial[n]) for n in experts)

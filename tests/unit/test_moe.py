@@ -69,3 +69,112 @@ def test_leaf_modules_set_from_the_model_and_a_moe_without_experts_refused(model
         layer.mlp.experts = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(4))
     with pytest.raises(ConfigError, match="mixture of experts .* no module holds 3-D expert weights"):
         set_expert_leaf_modules(other)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The router's aux loss and the experts' load (ntil_ds/moe.py)
+
+
+def _text_batch(folder, tmp_path):
+    import json
+
+    from ntil_ds.data import Collator, ConversationDataset, load_processor
+    from ntil_ds.data.batch import MicroBatch
+
+    processor = load_processor(folder)
+    lines = [
+        {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
+        for q, a in (("What is 12 + 30?", "42"), ("Add 7 and 5, then tell me the sum please.", "12"))
+    ]
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    dataset = ConversationDataset(data, processor, max_seq_len=128)
+    return MicroBatch([0, 1], Collator(processor, fake_image=False)([dataset[0], dataset[1]]))
+
+
+def _grads(model, batch, terms):
+    """Gradients of the summed CE over the targets, plus the aux term when ``terms`` is given."""
+    model.zero_grad(set_to_none=True)
+    inputs = batch.model_inputs(torch.device("cpu"), torch.float32)
+    extra = terms.forward_kwargs if terms is not None else {}
+    output = model(**inputs, use_cache=False, **extra)
+    loss_sum = torch.nn.functional.cross_entropy(
+        output.logits.flatten(0, 1), batch.targets.flatten(), ignore_index=-100, reduction="sum"
+    )
+    if terms is not None:
+        terms.record(output, inputs["attention_mask"])
+        loss_sum = terms.objective_sum(loss_sum, batch.num_targets)
+    loss_sum.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, output
+
+
+def _switch_aux(router_logits, mask, top_k, experts):
+    """Switch Transformer's balance loss, written out: E * sum_e (share of top-k picks) * (mean prob),
+    both over every MoE layer's unpadded tokens together (transformers' definition for this family)."""
+    keep = mask.reshape(-1).bool()
+    logits = torch.cat([layer[keep] for layer in router_logits])
+    probs = logits.softmax(-1)
+    picks = torch.nn.functional.one_hot(probs.topk(top_k, -1).indices, experts).sum(1).float()
+    return experts * (picks.mean(0) * probs.mean(0)).sum()
+
+
+def test_aux_loss_is_the_familys_and_reaches_only_what_feeds_a_router(models, tmp_path):
+    from ntil_ds.moe import RouterTerms, router_terms_for
+
+    folder = build_tiny_model_folder("qwen3_vl_moe", tmp_path / "moe")
+    model = models["qwen3_vl_moe"].train()
+    batch = _text_batch(folder, tmp_path)
+    assert batch.tensors["attention_mask"].min() == 0  # padding: the loss and the load skip it
+    without, _ = _grads(model, batch, None)
+
+    family = router_terms_for(model, None)
+    assert (family.coef, family.num_experts, family.top_k) == (0.001, 4, 2)
+    assert router_terms_for(models["qwen3_vl"], 0.5) is None  # dense: no terms
+    at_zero, output = _grads(model, batch, router_terms_for(model, 0.0))
+    assert at_zero.keys() == without.keys()
+    assert all(torch.equal(at_zero[n], without[n]) for n in without), "coef 0 changed a gradient"
+
+    terms = RouterTerms(coef=0.5, num_experts=4, top_k=2)
+    with_aux, output = _grads(model, batch, terms)
+    mask = batch.tensors["attention_mask"]
+    reference = _switch_aux(output.router_logits, mask, 2, 4)
+    torch.testing.assert_close(terms.last_aux, reference, rtol=1e-6, atol=1e-7)
+    assert terms.last_aux > 1.0 - 1e-6  # >= 1, equal only when perfectly balanced
+
+    layers = model.model.language_model.layers
+    last = len(layers) - 1
+    changed = {n for n in without if not torch.equal(with_aux[n], without[n])}
+    routers = {n for n in without if n.endswith("mlp.gate.weight")}
+    assert routers and routers <= changed  # every router's weight
+    # Nothing after the last router: the last layer's experts, the final norm, the head.
+    after = {
+        n
+        for n in without
+        if f"layers.{last}.mlp.experts." in n or n.startswith(("lm_head.", "model.language_model.norm."))
+    }
+    assert after and not (after & changed), after & changed
+    # Before the routers it reaches the residual stream: the embeddings and the first attention.
+    assert "model.language_model.embed_tokens.weight" in changed
+    assert any(n.startswith("model.language_model.layers.0.self_attn.") for n in changed)
+    assert not any(n.startswith("model.visual.") for n in without)  # text only: the tower took no part
+
+
+def test_expert_load_counts_the_unpadded_top_k_picks_and_reports_shares():
+    from ntil_ds.moe import expert_counts, router_metrics
+
+    logits = torch.tensor([[3.0, 2.0, 0.0, -1.0], [0.0, 1.0, 5.0, 4.0], [9.0, 0.0, 0.0, 8.0]])
+    mask = torch.tensor([[1, 1, 0]])  # the third token is padding
+    counts = expert_counts((logits, logits.flip(-1)), 2, 4, mask)
+    assert counts.tolist() == [[1, 1, 1, 1], [1, 1, 1, 1]]
+    assert expert_counts((logits,), 2, 4, None).tolist() == [[2, 1, 1, 2]]
+
+    # Two MoE layers over a step: layer 0 balanced, layer 1 with one expert unused; tp=2 counts twice.
+    host = {"aux_sum": 2 * 6.0, "expert_counts": [2 * c for c in (5, 5, 5, 5, 10, 6, 4, 0)]}
+    metrics = router_metrics(host, labelled=4.0, tp=2, experts=4)
+    assert metrics == {
+        "aux_loss": 1.5,
+        "expert_share_min": 0.0,
+        "expert_share_max": 0.5,
+        "experts_unused": 1.0,
+    }
+    assert router_metrics({"loss_sum": 1.0}, 4.0, 1, 4) == {}
