@@ -140,6 +140,19 @@ def test_aux_loss_is_the_familys_and_reaches_only_what_feeds_a_router(models, tm
     reference = _switch_aux(output.router_logits, mask, 2, 4)
     torch.testing.assert_close(terms.last_aux, reference, rtol=1e-6, atol=1e-7)
     assert terms.last_aux > 1.0 - 1e-6  # >= 1, equal only when perfectly balanced
+    # The term differentiated: coef * aux * (the micro-batch's labelled tokens), which the trainer then
+    # divides by the step's global count like the summed loss (the normalisation contract).
+    model.zero_grad(set_to_none=True)
+    inputs = batch.model_inputs(torch.device("cpu"), torch.float32)
+    out = model(**inputs, use_cache=False, output_router_logits=True)
+    ce_sum = torch.nn.functional.cross_entropy(
+        out.logits.flatten(0, 1), batch.targets.flatten(), ignore_index=-100, reduction="sum"
+    )
+    aux = _switch_aux(out.router_logits, mask, 2, 4)
+    (ce_sum + 0.5 * aux * int((batch.targets != -100).sum())).backward()
+    for name, param in model.named_parameters():
+        if param.grad is not None:
+            torch.testing.assert_close(with_aux[name], param.grad, rtol=1e-5, atol=1e-8, msg=name)
 
     layers = model.model.language_model.layers
     last = len(layers) - 1
