@@ -5,7 +5,7 @@ chat templates, but nothing may be downloaded. `build_tiny_model_folder(kind, ou
 that loads like a Hub checkpoint (`AutoConfig`, `AutoProcessor` / `AutoTokenizer`) and whose config builds
 a model of a few hundred thousand parameters with random weights (`from_config`).
 
-One module per family (qwen: Qwen2, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE; llava; gemma3; internvl; smolvlm); the
+One module per family (qwen: Qwen2, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5; llava; gemma3; internvl; smolvlm); the
 tokenizer (a byte-level BPE trained here, deterministically) is `tokenizer.py`; the families' chat
 templates are `templates/*.jinja` (package data, as Hub folders ship `chat_template.jinja`).
 """
@@ -23,6 +23,7 @@ from ntil_ds.tiny.qwen import (
     build_qwen2,
     build_qwen2_5_vl,
     build_qwen2_vl,
+    build_qwen3_5,
     build_qwen3_vl,
     build_qwen3_vl_moe,
 )
@@ -38,6 +39,7 @@ TINY_KINDS = (
     "internvl",
     "smolvlm",
     "qwen3_vl_moe",
+    "qwen3_5",
 )
 
 _BUILDERS: dict[str, Callable[[Path], None]] = {
@@ -47,6 +49,7 @@ _BUILDERS: dict[str, Callable[[Path], None]] = {
     "qwen2": build_qwen2,
     "qwen3_vl": build_qwen3_vl,
     "qwen3_vl_moe": build_qwen3_vl_moe,
+    "qwen3_5": build_qwen3_5,
     "gemma3": build_gemma3,
     "smolvlm": build_smolvlm,
     "internvl": build_internvl,

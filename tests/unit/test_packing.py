@@ -261,3 +261,14 @@ def test_hybrid_linear_attention_packing_leaks_on_the_torch_path_and_is_refused(
             model(input_ids=row, position_ids=positions, cu_seq_lens_q=bounds, cu_seq_lens_k=bounds)
     with pytest.raises(ConfigError, match="linear-attention layers .*max_tokens_per_micro_batch=0"):
         check_packing_supported(model)
+
+
+def test_tiny_qwen3_5_folder_is_refused_packing_with_the_reason(tmp_path):
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from ntil_ds.config import ConfigError
+
+    config = AutoConfig.from_pretrained(build_tiny_model_folder("qwen3_5", tmp_path / "qwen3_5"))
+    model = AutoModelForImageTextToText.from_config(config)
+    with pytest.raises(ConfigError, match="'qwen3_5'.*linear-attention layers"):
+        rope_fn_for(model)  # what the trainer asks before it builds the packing collator

@@ -30,6 +30,7 @@ MLLM_KINDS = (
     "internvl",
     "smolvlm",
     "qwen3_vl_moe",
+    "qwen3_5",
 )
 
 # Each family's vision tower and projector by parameter-name prefix (transformers 5.24's module names),
@@ -39,6 +40,7 @@ VISION_PARTS = {
     "qwen2_5_vl": ("model.visual.", ("model.visual.merger.",)),
     "qwen3_vl": ("model.visual.", ("model.visual.merger.", "model.visual.deepstack_merger_list.")),
     "qwen3_vl_moe": ("model.visual.", ("model.visual.merger.", "model.visual.deepstack_merger_list.")),
+    "qwen3_5": ("model.visual.", ("model.visual.merger.",)),
     "llava": ("model.vision_tower.", ("model.multi_modal_projector.",)),
     "gemma3": ("model.vision_tower.", ("model.multi_modal_projector.",)),
     "internvl": ("model.vision_tower.", ("model.multi_modal_projector.",)),
