@@ -53,6 +53,8 @@ PUBLISHED_B = {
     "Qwen/Qwen2-VL-7B-Instruct": 8.29,
     "Qwen/Qwen2.5-VL-7B-Instruct": 8.29,
     "Qwen/Qwen3-VL-8B-Instruct": 8.77,
+    # the Hub page's 31.1B (rounded): the language model is Qwen3-30B-A3B's 30.53B, the tower Qwen3-VL's
+    "Qwen/Qwen3-VL-30B-A3B-Instruct": 31.07,
     "google/gemma-3-4b-it": 4.30,
     "OpenGVLab/InternVL3-8B-hf": 7.94,
     "HuggingFaceTB/SmolVLM2-2.2B-Instruct": 2.25,
