@@ -77,7 +77,9 @@ def main() -> None:
     )
     torch.manual_seed(cfg.train.seed)
     processor = load_processor(cfg.model.processor or cfg.model.name_or_path)
-    loaded = load_model(cfg.model, ds_config)
+    # created on the GPU it trains on (ZeRO-2: no zero.Init), not on the CPU and then moved
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else None
+    loaded = load_model(cfg.model, ds_config, device)
     dataset = ConversationDataset(
         cfg.data.train_file, processor, cfg.data.max_seq_len, on_bad_sample=cfg.data.on_bad_sample
     )
@@ -106,9 +108,13 @@ def main() -> None:
         started = 0.0
 
         def on_step_begin(self, args, state, control, **kwargs):
+            if torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()  # this step's peak
             self.started = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()  # the step's kernels done, as ours ends on its host read
             elapsed = time.perf_counter() - self.started  # taken before the all_reduce below
             # On the Trainer's device: NCCL (the CUDA backend) cannot all_reduce a CPU tensor.
             tokens = torch.tensor([trainer.step_tokens], dtype=torch.float64, device=trainer.args.device)

@@ -30,6 +30,8 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
 
+    import torch
+
     from ntil_ds.data import tokenizer_of
     from ntil_ds.ds_config import resolve_run
     from ntil_ds.engine import init_distributed
@@ -52,6 +54,8 @@ def main() -> None:
         order = ("ce", "ntil") if step % 2 else ("ntil", "ce")
         for name in order:
             trainer.objective.loss_fn = losses[name]
+            if trainer.device.type == "cuda":  # each step's own peak, not the running maximum of both
+                torch.cuda.reset_peak_memory_stats(trainer.device)
             metrics = trainer.train_step(micro_batches)
             records.append(
                 {
@@ -62,6 +66,8 @@ def main() -> None:
                     "loss": metrics["loss"],
                     "peak_mem_mib": metrics["peak_mem_mib"],
                     "micro_batches": len(micro_batches),
+                    # where the head ran (MFU): the labelled rows, or every position with loss.logits=all
+                    "head_rows": metrics["labelled_tokens"] if trainer.objective.labelled_head else None,
                 }
             )
     if dist_info.is_main:

@@ -46,7 +46,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from benchmarks.loss_cases import DIGIT_IDS, make_batch, ntloss_with_cross_entropy
-from ntil_ds.loss import NTILLoss
+from ntil_ds.loss import GroupedNTILLoss, NTILLoss
 from ntil_ds.loss.reference import reference_ntil_loss
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -54,6 +54,11 @@ QUICK_SHAPES = [(2, 256, 32000)]
 FULL_SHAPES = [(8, 512, 32000), (4, 2048, 151936)]
 NAIVE_LOOP_MAX_ELEMENTS = 200_000_000
 METHODS = ("cross_entropy", "ntil", "naive_loop", "ntloss")
+# ntil_grouped: GroupedNTILLoss (groups of 1-3 digits, LLaMA-3 style: 1,110 number tokens) on the same batch
+# with every digit label replaced by a random number token of width 1-3 (its cost does not depend on the
+# widths: every width's columns are computed at every position). Run it with --methods, e.g. at Llama's
+# vocabulary: --shapes 8x512x128256 --methods cross_entropy,ntil,ntil_grouped
+GROUPED_TABLE = {1: DIGIT_IDS, 2: list(range(1000, 1100)), 3: list(range(2000, 3000))}
 
 
 def _loss_function(method: str, vocab: int):
@@ -62,11 +67,25 @@ def _loss_function(method: str, vocab: int):
     if method == "ntil":
         loss_fn = NTILLoss(DIGIT_IDS)
         return lambda logits, labels: loss_fn(logits, labels).loss
+    if method == "ntil_grouped":
+        grouped_fn = GroupedNTILLoss(GROUPED_TABLE)
+        return lambda logits, labels: grouped_fn(logits, labels).loss
     if method == "naive_loop":
         return lambda logits, labels: reference_ntil_loss(logits, labels, DIGIT_IDS)["loss"]
     if method == "ntloss":
         return ntloss_with_cross_entropy(vocab)
     raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
+
+
+def _labels_for(method: str, labels: torch.Tensor) -> torch.Tensor:
+    """The grouped method's labels: each digit label a random number token of width 1-3 (made before timing)."""
+    if method != "ntil_grouped":
+        return labels
+    generator = torch.Generator().manual_seed(1)
+    number_ids = torch.tensor([i for ids in GROUPED_TABLE.values() for i in ids])
+    is_digit = torch.isin(labels, torch.tensor(DIGIT_IDS))
+    drawn = number_ids[torch.randint(0, len(number_ids), labels.shape, generator=generator)]
+    return torch.where(is_digit, drawn, labels)
 
 
 def _rss_bytes() -> int:
@@ -79,6 +98,7 @@ def measure_memory(method: str, batch: int, length: int, vocab: int) -> dict:
     torch.set_num_threads(1)
     logits, labels = make_batch(batch, length, vocab)
     loss_fn = _loss_function(method, vocab)
+    labels = _labels_for(method, labels)
     rss_before = _rss_bytes()
     leaf = logits.detach().requires_grad_()
     start = time.perf_counter()
@@ -97,12 +117,13 @@ def measure_times(methods: list[str], batch: int, length: int, vocab: int, repea
     torch.set_num_threads(1)
     logits, labels = make_batch(batch, length, vocab)
     loss_fns = {method: _loss_function(method, vocab) for method in methods}
+    method_labels = {method: _labels_for(method, labels) for method in methods}
     times: dict[str, list[float]] = {method: [] for method in methods}
     for round_index in range(repeats + 1):
         for method, loss_fn in loss_fns.items():
             leaf = logits.detach().requires_grad_()
             start = time.perf_counter()
-            loss_fn(leaf, labels).backward()
+            loss_fn(leaf, method_labels[method]).backward()
             if round_index:
                 times[method].append(time.perf_counter() - start)
             del leaf
@@ -221,18 +242,27 @@ def main() -> None:
     parser.add_argument(
         "--tp", default="2,4", help="tensor-parallel sizes for the vocab-parallel rows ('' = none)"
     )
+    parser.add_argument("--jsonl", help="--device cuda: append each row to this file as it is measured")
+    parser.add_argument(
+        "--dry-run", action="store_true", help="--device cuda: check the arguments, print the plan, exit"
+    )
     parser.add_argument("--memory-worker", nargs=4, metavar=("METHOD", "B", "T", "V"), help=argparse.SUPPRESS)
     parser.add_argument("--time-worker", nargs=4, metavar=("METHODS", "B", "T", "V"), help=argparse.SUPPRESS)
     parser.add_argument("--vp-worker", nargs=4, metavar=("TP", "B", "T", "V"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.device == "cuda":
-        from benchmarks.loss_speed_cuda import CUDA_METHODS, CUDA_SHAPES, run
+        from benchmarks.loss_speed_cuda import CUDA_METHODS, CUDA_SHAPES, check_plan, run
 
         shapes = CUDA_SHAPES
         if args.shapes:
             shapes = [tuple(int(d) for d in shape.split("x")) for shape in args.shapes.split(",")]
-        methods = (args.methods or ",".join(CUDA_METHODS)).split(",")
-        run(shapes, [d for d in args.dtypes.split(",") if d], [m for m in methods if m], args.repeats or 10)
+        methods = [m for m in (args.methods or ",".join(CUDA_METHODS)).split(",") if m]
+        dtypes = [d for d in args.dtypes.split(",") if d]
+        check_plan(methods, dtypes)  # a typo fails here, before any GPU work
+        if args.dry_run:
+            print(f"would run: shapes {shapes}, dtypes {dtypes}, methods {methods}, jsonl {args.jsonl}")
+            return
+        run(shapes, dtypes, methods, args.repeats or 10, jsonl=args.jsonl)
         return
     args.repeats = args.repeats or 3
     args.methods = args.methods or ",".join(METHODS)

@@ -4,11 +4,14 @@ Per shape and logits dtype, forward + backward of each method on the same logits
 
 - time: median of `--repeats` calls (default 10, after 3 warm-ups) timed with CUDA events;
 - ratio to PyTorch's cross-entropy as Hugging Face models compute it
-  (`F.cross_entropy(logits.float().view(-1, V), labels.view(-1))`), measured in the same run;
+  (`F.cross_entropy(logits.float().view(-1, V), labels.view(-1))`), measured in the same run, and to
+  Liger's fused cross-entropy (the stronger baseline: one pass over the logits, the gradient written in
+  place) when liger-kernel is installed; both baselines run first in each shape;
 - the bandwidth floor: the time of copying the logits once (read once + write once, what a loss
   that reads the logits and writes their gradient cannot beat), measured on this device;
-- peak extra memory: `torch.cuda.max_memory_allocated()` during the calls minus what was allocated
-  before (the logits and labels), and its ratio to cross-entropy's;
+- peak extra memory: `torch.cuda.max_memory_allocated()` during the timed calls minus what was allocated
+  before (the logits and labels), the peak statistics reset for every row, and its ratio to
+  cross-entropy's;
 - launches per call: GPU activities (kernels, memsets, copies) of one call under torch.profiler;
 - host sync: whether one call of NTILLoss runs under `torch.cuda.set_sync_debug_mode("error")`.
 
@@ -22,10 +25,13 @@ liger (LigerCrossEntropyLoss, the fused cross-entropy anchor, if liger-kernel is
 the gradient into the logits' own storage during the forward, so it gets a private copy of them);
 ntloss (ntloss.NTLoss + cross-entropy, if ntloss is installed). Needs only torch (+ triton) on a CUDA
 machine; a method that fails or is missing prints its reason in the table and the run goes on.
+`--jsonl FILE` appends each row to FILE as soon as it is measured: a run killed by a timeout keeps the
+rows it finished.
 """
 
 from __future__ import annotations
 
+import json
 import statistics
 import sys
 import time
@@ -52,6 +58,16 @@ _NTIL_LOSSES = {
     "ntil_torch": NTILLoss(DIGIT_IDS, kernel="torch"),
     "ntil_compiled": NTILLoss(DIGIT_IDS, number_stage="compile"),
 }
+
+
+BASELINES = ("cross_entropy", "liger")  # measured first in each shape: the ratios of the rows after them
+
+
+def check_plan(methods: list[str], dtypes: list[str]) -> None:
+    """Unknown names fail before any GPU work (and in gpu_check.sh's dry run)."""
+    unknown = [m for m in methods if m not in CUDA_METHODS] + [d for d in dtypes if d not in DTYPES]
+    if unknown:
+        raise SystemExit(f"unknown {unknown}: methods are {CUDA_METHODS}, dtypes {tuple(DTYPES)}")
 
 
 def _loss_functions(methods: list[str], vocab: int) -> dict:
@@ -89,7 +105,7 @@ def _time_calls(fn, leaf, labels, repeats: int, warmups: int = 3) -> tuple[float
         leaf.grad = None
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
+    torch.cuda.reset_peak_memory_stats()  # per row: the peak is this method's, not the run's so far
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -147,7 +163,15 @@ def _copy_floor_ms(logits: torch.Tensor, repeats: int) -> float:
     return statistics.median(times)
 
 
-def run(shapes, dtypes: list[str], methods: list[str], repeats: int) -> None:
+def _append(path: str | None, row: dict) -> None:
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def run(shapes, dtypes: list[str], methods: list[str], repeats: int, jsonl: str | None = None) -> None:
+    check_plan(methods, dtypes)
+    methods = [m for m in BASELINES if m in methods] + [m for m in methods if m not in BASELINES]
     if not torch.cuda.is_available():
         sys.exit("--device cuda: no CUDA device visible to torch")
     from ntil_ds.loss import vocab_stats
@@ -159,11 +183,12 @@ def run(shapes, dtypes: list[str], methods: list[str], repeats: int) -> None:
     print(
         f"{device}, torch {torch.__version__}, triton {triton_version} "
         f"(NTILLoss path: {'Triton kernels' if kernel else 'torch tiles'}); forward + backward, "
-        f"median of {repeats} (CUDA events); labels ~29 % digits, 30 % ignored\n"
+        f"median of {repeats} (CUDA events); labels ~29 % digits, 30 % ignored; liger from its second "
+        "call on reads the gradient it wrote in place (a streaming kernel: the same time)\n"
     )
-    print("| shape [B, T, V] | logits | method | time (ms) | time / CE | time / floor | "
+    print("| shape [B, T, V] | logits | method | time (ms) | time / CE | time / liger | time / floor | "
           "peak extra memory (MiB) | memory / CE | launches per call | host sync |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for batch, length, vocab in shapes:
         functions = _loss_functions(methods, vocab)
         for dtype_name in dtypes:
@@ -173,12 +198,15 @@ def run(shapes, dtypes: list[str], methods: list[str], repeats: int) -> None:
             logits, labels = make_batch_cuda(batch, length, vocab, dtype)
             floor_ms = _copy_floor_ms(logits, repeats)
             print(
-                f"| {shape} | {dtype_name} | floor: copy the logits once | {floor_ms:.3f} | | 1.00 | | | | |"
+                f"| {shape} | {dtype_name} | floor: copy the logits once | {floor_ms:.3f} | | | 1.00 | | | | |"
             )
-            baseline = None
+            row = {"shape": [batch, length, vocab], "dtype": dtype_name, "device": device}
+            _append(jsonl, {**row, "method": "floor", "time_ms": floor_ms})
+            baseline = liger_ms = None
             for method, fn in functions.items():
                 if isinstance(fn, str):
-                    print(f"| {shape} | {dtype_name} | {method} | {fn} | | | | | | |")
+                    print(f"| {shape} | {dtype_name} | {method} | {fn} | | | | | | | |")
+                    _append(jsonl, {**row, "method": method, "error": fn})
                     continue
                 # Liger overwrites its input with the gradient: a private copy (outside the timing).
                 source = logits.clone() if method == "liger" else logits
@@ -190,21 +218,28 @@ def run(shapes, dtypes: list[str], methods: list[str], repeats: int) -> None:
                 except Exception as error:  # a failure is a finding: report it and go on
                     message = f"{type(error).__name__}: {error}".splitlines()[0][:200]
                     print(
-                        f"| {shape} | {dtype_name} | {method} | failed: {message} | | | | | | |", flush=True
+                        f"| {shape} | {dtype_name} | {method} | failed: {message} | | | | | | | |", flush=True
                     )
+                    _append(jsonl, {**row, "method": method, "error": message})
                     del leaf, source
                     torch.cuda.empty_cache()
                     continue
                 if method == "cross_entropy":
                     baseline = (ms, mib)
+                if method == "liger":
+                    liger_ms = ms
                 time_ratio = f"{ms / baseline[0]:.2f}" if baseline else "-"
+                liger_ratio = f"{ms / liger_ms:.2f}" if liger_ms else "-"
                 memory_ratio = f"{mib / baseline[1]:.2f}" if baseline and baseline[1] > 0 else "-"
                 sync_text = "-" if sync is None else ("yes" if sync else "no")
                 print(
-                    f"| {shape} | {dtype_name} | {method} | {ms:.3f} | {time_ratio} | {ms / floor_ms:.1f} | "
-                    f"{mib:,.0f} | {memory_ratio} | {launches} | {sync_text} |",
+                    f"| {shape} | {dtype_name} | {method} | {ms:.3f} | {time_ratio} | {liger_ratio} | "
+                    f"{ms / floor_ms:.1f} | {mib:,.0f} | {memory_ratio} | {launches} | {sync_text} |",
                     flush=True,
                 )
+                _append(jsonl, {**row, "method": method, "time_ms": ms, "time_over_ce": time_ratio,
+                                "time_over_liger": liger_ratio, "time_over_floor": ms / floor_ms,
+                                "peak_extra_mib": mib, "launches": launches, "host_sync": sync})  # fmt: skip
                 del leaf, source
                 torch.cuda.empty_cache()
             del logits, labels

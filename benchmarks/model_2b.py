@@ -47,11 +47,12 @@ def build_2b_folder(out_dir: Path) -> Path:
     return folder
 
 
-def language_model_matmul_params(config_file: Path) -> int:
-    """Parameters the language model multiplies each token by (decoder projections + the output head;
-    norms and the embedding lookup do no matrix product). Model FLOPs of training = 6 x this per token."""
+def matmul_params(config_file: Path) -> dict[str, int]:
+    """Parameters the language model multiplies by: "decoder" (its projections, every token) and "head"
+    (h x vocab, every position the output head runs at); norms and the embedding lookup do no matrix
+    product. Model FLOPs of training = 6 x these per token / per head position."""
     text = json.loads(Path(config_file).read_text())["text_config"]
     h, inter, vocab = text["hidden_size"], text["intermediate_size"], text["vocab_size"]
     kv = h // text["num_attention_heads"] * text["num_key_value_heads"]
     per_layer = h * h + 2 * h * kv + h * h + 3 * h * inter  # q, k, v, o, gate/up/down
-    return text["num_hidden_layers"] * per_layer + h * vocab
+    return {"decoder": text["num_hidden_layers"] * per_layer, "head": h * vocab}

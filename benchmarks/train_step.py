@@ -5,7 +5,8 @@
     python -m benchmarks.train_step --steps 40 --rounds 2 train.micro_batch_size=8
 
 (from the repository root.) One run of this script trains the same model on the same data with real
-ZeRO-3 jobs started by torchrun:
+DeepSpeed jobs started by torchrun (the recipe's ZeRO stage; the table names the stage and the batch
+each variant ran):
 
 - ``ours ... CE`` and ``ours ... NTIL``: one job (benchmarks/loss_pair_job.py) that builds the real
   ntil_ds Trainer from the recipe and takes every step's batches through two optimizer steps, one with
@@ -24,9 +25,16 @@ Step time is one optimizer step (all its micro-batches' forward + backward, the 
 by each trainer from "the step's micro-batches are in hand" to "the optimizer stepped"; data loading is
 outside it in both. The first ``--warmup`` steps are left out; the table gives the median step time,
 tokens/s (input tokens of all ranks over the measured steps / their time), peak memory (rank 0: CUDA
-allocated, or CPU resident set) and, on CUDA, MFU = 6 x (language-model matmul parameters) x tokens/s /
-(--peak-tflops x GPUs). The frozen ViT's forward and attention's own FLOPs are not counted: MFU is a
-lower bound.
+allocated, peak statistics reset at every step, or CPU resident set) and, on CUDA, MFU = the model
+FLOPs run / time / (--peak-tflops x GPUs): 6 x the decoder's matmul parameters per token, plus 6 x the
+head's (h x vocab) per position the head ran at (every token for the HF Trainer; the labelled ones only
+for ours' labelled head: counting all would inflate ours by up to ~15 %). The frozen ViT's forward and
+attention's own FLOPs are not counted: MFU is a lower bound; tokens/s is the fair comparison.
+
+On CUDA the random weights are created on the GPU (ntil_ds.model.load_model with the job's device), not
+on the CPU. ``--results FILE`` is rewritten after every job and ``--keep-going`` runs the other jobs
+when one fails, so a timeout or a crash keeps what finished; ``--dry-run`` resolves each job's recipe
+and overrides (a bad key fails in a second) and prints the stage and batch without building anything.
 
 CPU (``--device cpu``, default): the tiny Qwen2-VL (launch/make_tiny_model.py) on the synthetic clock
 task, configs/train/tiny_qwen2vl_clock.yaml. CUDA (``--device cuda --model-size 2b``): a model of
@@ -65,6 +73,7 @@ class StepRecord:
     seconds: float
     tokens: float
     peak_mem_mib: float = 0.0
+    head_rows: float | None = None  # positions the output head ran at (None: all of them)
 
 
 @dataclass
@@ -91,6 +100,10 @@ def job_env(device: str) -> dict[str, str]:
     return env
 
 
+class JobFailed(RuntimeError):
+    pass
+
+
 def run_job(nproc: int, script: Path, args: list[str], log_path: Path, device: str) -> None:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
                str(script), *args]  # fmt: skip
@@ -101,7 +114,7 @@ def run_job(nproc: int, script: Path, args: list[str], log_path: Path, device: s
         )  # fmt: skip
     if result.returncode != 0:
         tail = "".join(log_path.read_text().splitlines(keepends=True)[-40:])
-        raise SystemExit(f"job {script.name} {' '.join(args)} failed (exit {result.returncode}):\n{tail}")
+        raise JobFailed(f"job {script.name} {' '.join(args)} failed (exit {result.returncode}):\n{tail}")
 
 
 def read_records(path: Path, job: Job) -> dict[str, list[StepRecord]]:
@@ -110,7 +123,9 @@ def read_records(path: Path, job: Job) -> dict[str, list[StepRecord]]:
     for r in json.loads(path.read_text())["records"]:
         variant = job.name if job.is_hf else f"{job.name} {'CE' if r['variant'] == 'ce' else 'NTIL'}"
         found[variant].append(
-            StepRecord(r["step"], r["step_time_s"], r["tokens"], r.get("peak_mem_mib", 0.0))
+            StepRecord(
+                r["step"], r["step_time_s"], r["tokens"], r.get("peak_mem_mib", 0.0), r.get("head_rows")
+            )
         )
     return found
 
@@ -161,6 +176,22 @@ def plan_jobs(device: str) -> list[Job]:
     ]
 
 
+def run_setup(recipe: Path, overrides: list[str], hf: bool = False) -> dict:
+    """What a job runs, for the table's label: the ZeRO stage and the batch of the merged config. A bad
+    override fails here, before any model is built."""
+    from ntil_ds.ds_config import resolve_run
+
+    cfg, ds_config, _ = resolve_run(recipe, overrides)
+    return {
+        "zero_stage": ds_config.get("zero_optimization", {}).get("stage", 0),
+        "global_batch_size": cfg.train.global_batch_size,
+        "micro_batch_size": cfg.train.micro_batch_size,
+        "max_tokens_per_micro_batch": cfg.data.max_tokens_per_micro_batch,
+        "logits": "all (the model's own CE)" if hf else cfg.loss.logits,
+        "optimizer": cfg.optim.name,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -180,6 +211,13 @@ def main() -> None:
         "--peak-tflops", type=float, default=989.0, help="bf16 dense peak per GPU (H100/H200)"
     )
     parser.add_argument("--workdir", type=Path, default=None, help="default: a new temporary folder")
+    parser.add_argument(
+        "--results", type=Path, help="also write results.json here, rewritten after every job (partial)"
+    )
+    parser.add_argument(
+        "--keep-going", action="store_true", help="a job that fails is reported; the others still run"
+    )
+    parser.add_argument("--dry-run", action="store_true", help="resolve every job's recipe, print, exit")
     parser.add_argument("overrides", nargs="*", help="recipe key=value overrides for every job")
     args = parser.parse_args()
     cuda = args.device == "cuda"
@@ -191,17 +229,80 @@ def main() -> None:
     args.samples = args.samples or (640 if cuda else 300)
     if args.steps <= args.warmup:
         parser.error("--steps must exceed --warmup")
-    if cuda:
+    if cuda and not args.dry_run:
         import torch
 
         if not torch.cuda.is_available():
             parser.error("--device cuda: torch sees no CUDA device")
 
     started_all = time.perf_counter()
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench_train_step_"))
+    workdir = args.workdir or (
+        Path("bench_train_step_WORKDIR")
+        if args.dry_run
+        else Path(tempfile.mkdtemp(prefix="bench_train_step_"))
+    )
+    # (the dry run resolves the recipe with stand-in paths: what the folders will be called)
+    model = workdir / ("qwen2vl-2b-dims" if args.model_size == "2b" else "tiny-qwen2vl")
+    common = common_overrides(args, model, workdir / "clock" / "train.jsonl")
+    jobs = plan_jobs(args.device)
+    setups = {j.name: run_setup(args.recipe, [*common, *j.overrides, *args.overrides], j.is_hf) for j in jobs}
+    if args.dry_run:
+        for job in jobs:
+            print(f"would run {job.name}: {args.steps} steps ({args.warmup} warm-up), {setups[job.name]}")
+        return
+
     workdir.mkdir(parents=True, exist_ok=True)
     print(f"building the {args.model_size} model folder and {args.samples} clock samples in {workdir} ...")
     model, data = prepare(workdir, args.samples, args.model_size)
+    common = common_overrides(args, model, data)
+    matmul = None
+    if cuda:
+        from benchmarks.model_2b import matmul_params
+
+        matmul = matmul_params(model / "config.json")
+    order = list(jobs)  # the table's order (the rounds reverse the jobs)
+    samples: dict[str, list[StepRecord]] = {v: [] for job in jobs for v in job.variants()}
+    failures: dict[str, str] = {}
+    for round_index in range(args.rounds):
+        for job in jobs:
+            slug = job.name.replace(" ", "_").lower()
+            out = workdir / f"round{round_index}_{slug}"
+            out.mkdir(parents=True, exist_ok=True)
+            times = out / "steps.json"
+            overrides = [*common, *job.overrides, *args.overrides, f"output_dir={out}"]
+            print(f"[round {round_index + 1}/{args.rounds}] {job.name}: {args.steps} steps ...", flush=True)
+            started = time.perf_counter()
+            if job.is_hf:
+                job_args = ["--config", str(args.recipe), "--out", str(times), *overrides]
+                script = HF_JOB
+            else:  # two optimizer steps per batch
+                job_args = ["--config", str(args.recipe), "--out", str(times), "--steps", str(args.steps),
+                            *overrides, f"train.max_steps={2 * args.steps}"]  # fmt: skip
+                script = PAIR_JOB
+            try:
+                run_job(args.nproc, script, job_args, out / "job.log", args.device)
+                for variant, records in read_records(times, job).items():
+                    if len(records) != args.steps:
+                        raise JobFailed(f"{variant}: expected {args.steps} step records, got {len(records)}")
+                    samples[variant] += [r for r in records if r.step > args.warmup]
+            except (JobFailed, subprocess.TimeoutExpired, OSError, ValueError) as error:
+                if not args.keep_going:
+                    raise SystemExit(str(error)) from None
+                failures[f"round {round_index + 1} {job.name}"] = str(error).splitlines()[0][:300]
+                print(f"    FAILED: {error}", flush=True)
+            print(f"    done in {time.perf_counter() - started:.0f} s (log: {out / 'job.log'})", flush=True)
+            write_results(workdir, args, summarize(samples, setups, order, matmul, args), failures)
+        jobs.reverse()
+
+    summary = summarize(samples, setups, order, matmul, args)
+    write_results(workdir, args, summary, failures)
+    print_table(summary, args)
+    print(f"results: {workdir / 'results.json'}; total {time.perf_counter() - started_all:.0f} s")
+    if failures:
+        raise SystemExit(f"{len(failures)} job(s) failed: {failures}")
+
+
+def common_overrides(args, model: Path, data: Path) -> list[str]:
     common = [
         f"model.name_or_path={model}",
         "model.init=random",
@@ -216,62 +317,61 @@ def main() -> None:
         "tracking.enabled=false",
         "resume=none",
     ]
-    if cuda:  # DeepSpeed's fused Adam would JIT-compile first (minutes, and nvcc); torch's AdamW is fused too
+    if args.device == "cuda":  # DeepSpeed's FusedAdam would JIT-compile first (minutes, and nvcc)
         common += ["optim.name=adamw_torch", "train.global_batch_size=64"]
+    return common
 
-    jobs = plan_jobs(args.device)
-    samples: dict[str, list[StepRecord]] = {v: [] for job in jobs for v in job.variants()}
-    for round_index in range(args.rounds):
-        for job in jobs:
-            slug = job.name.replace(" ", "_").lower()
-            out = workdir / f"round{round_index}_{slug}"
-            out.mkdir(parents=True, exist_ok=True)
-            times = out / "steps.json"
-            overrides = [*common, *job.overrides, *args.overrides, f"output_dir={out}"]
-            print(f"[round {round_index + 1}/{args.rounds}] {job.name}: {args.steps} steps ...", flush=True)
-            started = time.perf_counter()
-            if job.is_hf:
-                job_args = ["--config", str(args.recipe), "--out", str(times), *overrides]
-                run_job(args.nproc, HF_JOB, job_args, out / "job.log", args.device)
-            else:  # two optimizer steps per batch
-                job_args = ["--config", str(args.recipe), "--out", str(times), "--steps", str(args.steps),
-                            *overrides, f"train.max_steps={2 * args.steps}"]  # fmt: skip
-                run_job(args.nproc, PAIR_JOB, job_args, out / "job.log", args.device)
-            for variant, records in read_records(times, job).items():
-                if len(records) != args.steps:
-                    raise SystemExit(f"{variant}: expected {args.steps} step records, got {len(records)}")
-                samples[variant] += [r for r in records if r.step > args.warmup]
-            print(f"    done in {time.perf_counter() - started:.0f} s (log: {out / 'job.log'})", flush=True)
-        jobs.reverse()
 
-    matmul_params = None
-    if cuda:
-        from benchmarks.model_2b import language_model_matmul_params
+def step_flops(record: StepRecord, matmul: dict[str, int]) -> float:
+    """Model FLOPs of one step as run: 6 x the decoder's matmul parameters per input token, and 6 x the
+    head's (h x vocab) per position the head ran at: every token for the HF Trainer and loss.logits=all,
+    the labelled ones only for the labelled head (ours' default)."""
+    head_rows = record.tokens if record.head_rows is None else record.head_rows
+    return 6 * (matmul["decoder"] * record.tokens + matmul["head"] * head_rows)
 
-        matmul_params = language_model_matmul_params(model / "config.json")
+
+def summarize(samples, setups, jobs, matmul, args) -> dict[str, dict]:
     summary = {}
-    for variant, records in samples.items():
-        tokens_per_s = sum(r.tokens for r in records) / sum(r.seconds for r in records)
-        summary[variant] = {
-            "median_step_s": statistics.median(r.seconds for r in records),
-            "tokens_per_s": tokens_per_s,
-            "peak_mem_mib": max(r.peak_mem_mib for r in records),
-            "steps_measured": len(records),
-        }
-        if matmul_params:
-            summary[variant]["mfu"] = (
-                6 * matmul_params * tokens_per_s / (args.peak_tflops * 1e12 * args.nproc)
-            )
-    (workdir / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
-    print_table(summary, args)
-    print(f"results: {workdir / 'results.json'}; total {time.perf_counter() - started_all:.0f} s")
+    for job in jobs:
+        for variant in job.variants():
+            records = samples[variant]
+            if not records:
+                continue
+            seconds = sum(r.seconds for r in records)
+            summary[variant] = {
+                "median_step_s": statistics.median(r.seconds for r in records),
+                "tokens_per_s": sum(r.tokens for r in records) / seconds,
+                "peak_mem_mib": max(r.peak_mem_mib for r in records),
+                "steps_measured": len(records),
+                **setups[job.name],
+            }
+            if matmul:
+                flops = sum(step_flops(r, matmul) for r in records)
+                summary[variant]["mfu"] = flops / seconds / (args.peak_tflops * 1e12 * args.nproc)
+    return summary
+
+
+def write_results(workdir: Path, args, summary: dict, failures: dict) -> None:
+    text = json.dumps({"variants": summary, "failed_jobs": failures}, indent=2) + "\n"
+    (workdir / "results.json").write_text(text)
+    if args.results:
+        args.results.parent.mkdir(parents=True, exist_ok=True)
+        args.results.write_text(text)
 
 
 def print_table(summary: dict[str, dict[str, float]], args: argparse.Namespace) -> None:
     print()
     print(f"recipe {args.recipe.name}, {args.device}, {args.nproc} process(es), {args.steps} steps "
           f"({args.warmup} warm-up left out) x {args.rounds} round(s); overrides: {' '.join(args.overrides) or 'none'}")  # fmt: skip
+    for variant, s in summary.items():  # what each ran: the stage and the batch, not the recipe's name
+        print(f"  {variant}: ZeRO-{s['zero_stage']}, {s['global_batch_size']} samples a step "
+              f"(micro-batch {s['micro_batch_size']}, packed to {s['max_tokens_per_micro_batch'] or 'no'} "
+              f"tokens), logits {s['logits']}, {s['optimizer']}")  # fmt: skip
     mfu = any("mfu" in s for s in summary.values())
+    if mfu:
+        print(
+            "  MFU: model FLOPs of the positions each ran the head at (ours: labelled only); tokens/s is the fair figure"
+        )
     print(f"{'':<18} {'median step (s)':>16} {'tokens/s':>10} {'peak MiB':>10}" + (f" {'MFU':>7}" if mfu else "")
           + f" {'steps':>6}")  # fmt: skip
     for variant, s in summary.items():

@@ -14,11 +14,12 @@
 #
 # Needs root (debootstrap, buildah's chroot isolation): elsewhere it says why and exits 1.
 # Environment:
-#   DEBIAN_MIRROR   where debootstrap gets Debian 12 (default http://deb.debian.org/debian)
+#   DEBIAN_MIRROR   where debootstrap gets Debian 12 (default: the Debian archive of this machine's apt
+#                   sources, docker/apt_mirror.sh; printed either way)
 #   LAYERS=1        cache each build step: a later run rebuilds from the first changed step only
 #                   (for work on the Dockerfile; committing every layer makes a full build ~2 min longer)
 #   TORCH_INDEX_URL where the image's torch CPU build comes from (default: this machine's pip config;
-#                   elsewhere https://download.pytorch.org/whl/cpu)
+#                   elsewhere PyTorch's CPU index, docs/container.md)
 #   BASE_IMAGE, IMAGE  image names (default localhost/ntil-base:debian12-minbase, localhost/ntil-ds:cpu)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -26,7 +27,17 @@ cd "$(dirname "$0")/.."
 BASE_IMAGE="${BASE_IMAGE:-localhost/ntil-base:debian12-minbase}"
 IMAGE="${IMAGE:-localhost/ntil-ds:cpu}"
 LAYERS="${LAYERS:-0}"
-DEBIAN_MIRROR="${DEBIAN_MIRROR:-http://deb.debian.org/debian}"
+# The base image's Debian comes from where this machine's apt gets its packages (no host is written here).
+if [[ -n "${DEBIAN_MIRROR:-}" ]]; then
+    mirror_from="DEBIAN_MIRROR"
+else
+    # shellcheck source=docker/apt_mirror.sh
+    source docker/apt_mirror.sh
+    if found="$(apt_mirror)"; then
+        DEBIAN_MIRROR="${found%%$'\t'*}"
+        mirror_from="${found#*$'\t'}"
+    fi
+fi
 # chroot: RUN steps need no OCI runtime or network namespace (the build uses the host's network).
 export BUILDAH_ISOLATION=chroot
 
@@ -63,6 +74,11 @@ base_seconds=0
 if buildah inspect --type image "$BASE_IMAGE" >/dev/null 2>&1; then
     say "base image $BASE_IMAGE: present"
 else
+    [[ -n "${DEBIAN_MIRROR:-}" ]] \
+        || fail "no Debian archive in this machine's apt sources (/etc/apt/sources.list," \
+            "/etc/apt/sources.list.d/*.list, *.sources) for debootstrap: give one, DEBIAN_MIRROR=<URL of a" \
+            "Debian 12 mirror> make container-test (docs/container.md)"
+    say "Debian mirror: $DEBIAN_MIRROR (from $mirror_from; DEBIAN_MIRROR=<URL> to use another)"
     say "base image $BASE_IMAGE: making it (debootstrap --variant=minbase bookworm, $DEBIAN_MIRROR)"
     started=$SECONDS
     debootstrap --variant=minbase bookworm "$work/rootfs" "$DEBIAN_MIRROR" >"$work/debootstrap.log" 2>&1 \

@@ -11,7 +11,9 @@ with greedy generation on the test split (the task's metrics). A loss may carry 
 
 Writes under `--out`: `results.json` (every run: status, metrics, wall times, error if it failed;
 and mean/std per loss), `table.md` (each metric as mean +- std over seeds, per loss), `comparison.png`
-(the same with error bars), `runs/<loss>-seed<seed>/` (each job's folder and log), and one MLflow parent
+(the same with error bars), the losses paired seed by seed against CE and the controls (answer-ignoring
+constants; `--shuffled-n` test items shown other items' images, image tasks; docs/comparison.md),
+`runs/<loss>-seed<seed>/` (each job's folder and log), and one MLflow parent
 run (the comparison) with a child run per training job (`--out`/mlflow.db unless tracking.uri or
 MLFLOW_TRACKING_URI says otherwise). A run that fails is reported in all of them, never dropped; the
 exit code is 1 when any run failed. The work is done by ntil_ds.comparison.
@@ -21,8 +23,8 @@ synthetic dataset under `--out` and point the recipe at them (what the small rec
 clone). The default test split is `test.jsonl` next to `data.train_file`.
 
 `--merge GRID [GRID ...] --out OUT` reads grids run apart as one (a grid extended later with more
-seeds, other losses run beside it on the same test split): their runs and curves in one results.json,
-table.md and plots under OUT, nothing trained again (ntil_ds.comparison.merge).
+seeds, other losses run beside it on the same test split, compared by content hash): their runs and
+curves in one results.json, table.md and plots under OUT, nothing trained again (ntil_ds.comparison.merge).
 """
 
 from __future__ import annotations
@@ -52,6 +54,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny-model", help="first write a tiny model folder: KIND[:SIZE], e.g. qwen2:small")
     parser.add_argument(
         "--data", help="first write synthetic data: TASK:N[:DIFFICULTY], e.g. arithmetic:4000:easy"
+    )
+    parser.add_argument(
+        "--shuffled-n",
+        type=int,
+        default=200,
+        help="test items of the shuffled-input check (each export shown other items' images; image "
+        "tasks only; 0 turns it off)",
     )
     parser.add_argument(
         "overrides", nargs="*", help="recipe overrides for every run, e.g. train.max_steps=50"
@@ -86,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             test_split=Path(args.test) if args.test else None,
             task=args.task,
             command=" ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+            shuffled_n=args.shuffled_n,
         )
         report = Comparison(plan).run()
     except ConfigError as e:

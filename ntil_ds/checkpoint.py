@@ -57,6 +57,8 @@ RESUMABLE_CHANGES = (
     "train.export_at_end",
     "data.eval_file",
     "data.num_workers",
+    "data.cache",  # the cache holds exactly the samples an uncached start encodes
+    "data.cache_dir",
     "model.attn_implementation",  # the same attention on other hardware (sdpa <-> flash-attn)
     "model.kernels",  # fused kernels compute the same functions
     "loss.kernel",  # the same loss through the Triton kernel or the torch tiles

@@ -126,13 +126,24 @@ class DataConfig:
     # forwards per step then follows from the tokens (train.micro_batch_size is not used for batching).
     # Must be >= data.max_seq_len. 0: no packing, train.micro_batch_size padded rows per forward.
     max_tokens_per_micro_batch: int = 0
+    # Encode once (ntil_ds/data/cache.py): the first start writes the encoded samples as memory-mapped
+    # arrays, every rank and later start maps them. false: every rank encodes every line at every start.
+    cache: bool = True
+    # Where caches live. Empty: .ntil_cache beside the data file, or under output_dir when the data
+    # folder is read-only.
+    cache_dir: str = ""
 
 
 @dataclass
 class OptimConfig:
-    # adamw: DeepSpeed's fused AdamW (compiled at first use); adamw_torch: DeepSpeed's AdamW entry with
-    # torch_adam=true (nothing compiles: the CPU choice); adamw_8bit: bitsandbytes AdamW8bit.
+    # adamw: DeepSpeed's FusedAdam (CPUAdam under optimizer offload), JIT-compiled at deepspeed.initialize
+    # unless prebuilt (nvcc/ninja, minutes); adamw_torch: DeepSpeed's AdamW entry with torch_adam=true, i.e.
+    # torch.optim.AdamW: nothing compiles (the GPU recipes' choice, with fused=true, and the CPU's);
+    # adamw_8bit: bitsandbytes AdamW8bit.
     name: Literal["adamw", "adamw_torch", "adamw_8bit"] = "adamw"
+    # adamw_torch only: torch's fused AdamW kernel (one launch per step on CUDA, also on the CPU's offloaded
+    # states) instead of its default foreach implementation, which is what DeepSpeed builds otherwise.
+    fused: bool = False
     lr: float = 1e-5
     weight_decay: float = 0.0
     beta1: float = 0.9
@@ -272,6 +283,11 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"{key}={value} must be >= 0")
     if cfg.optim.lr <= 0:
         raise ConfigError(f"optim.lr={cfg.optim.lr} must be > 0")
+    if cfg.optim.fused and cfg.optim.name != "adamw_torch":
+        raise ConfigError(
+            f"optim.fused=true is torch's fused AdamW, for optim.name=adamw_torch, not {cfg.optim.name!r} "
+            "(with another optim.name, also set optim.fused=false)"
+        )
     if not 0.0 <= cfg.optim.min_lr_ratio <= 1.0:
         raise ConfigError(f"optim.min_lr_ratio={cfg.optim.min_lr_ratio} must be in [0, 1]")
     if cfg.optim.warmup_steps > cfg.train.max_steps:

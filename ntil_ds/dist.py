@@ -212,7 +212,12 @@ def read_to_host(values: Mapping[str, torch.Tensor]) -> dict[str, Any]:
     """Named device values on the host, in ONE device-to-host copy: a sync point (the CPU waits for
     every kernel queued so far). A 0-dim value becomes a float, any other a list of floats."""
     names = sorted(values)
-    flat = torch.cat([values[name].detach().reshape(-1).double() for name in names]).cpu().tolist()
+    if not names:
+        return {}
+    # One device for the one copy: a value elsewhere (a CPU scalar among CUDA ones) is moved to the first's
+    # device rather than failing the concatenation.
+    device = values[names[0]].device
+    flat = torch.cat([values[name].detach().reshape(-1).double().to(device) for name in names]).cpu().tolist()
     out, start = {}, 0
     for name in names:
         size = values[name].numel()

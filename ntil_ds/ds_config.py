@@ -114,7 +114,10 @@ def merge_deepspeed_config(cfg: Config, ds_json: dict[str, Any], data_parallel_s
     if optim.name == "adamw":
         merged["optimizer"] = {"type": "AdamW", "params": adam_params}
     elif optim.name == "adamw_torch":
-        merged["optimizer"] = {"type": "AdamW", "params": {**adam_params, "torch_adam": True}}
+        # DeepSpeed passes the params on to torch.optim.AdamW (engine.get_optimizer_configuration); "fused"
+        # picks torch's fused kernel, which needs no build either.
+        fused = {"fused": True} if optim.fused else {}
+        merged["optimizer"] = {"type": "AdamW", "params": {**adam_params, "torch_adam": True, **fused}}
     else:  # adamw_8bit: a client optimizer (bitsandbytes) built in TrainingEngine; DeepSpeed must allow it
         merged["zero_allow_untested_optimizer"] = True
     # The schedule is a client LambdaLR (see lr_ratio): DeepSpeed's WarmupCosineLR cannot do zero
@@ -140,3 +143,40 @@ def write_deepspeed_config(ds_config: dict[str, Any], path: str | Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(ds_config, indent=2, sort_keys=True) + "\n")
     return path
+
+
+def jit_optimizer_op(ds_config: dict[str, Any]) -> str | None:
+    """The DeepSpeed op its optimizer block makes DeepSpeed build at ``deepspeed.initialize``: "fused_adam"
+    (Adam/AdamW without torch_adam; FusedAdam), "cpu_adam" (the same under optimizer offload; CPUAdam), or
+    None (torch_adam: torch.optim.AdamW; a client optimizer). As deepspeed 0.19.8's
+    ``DeepSpeedEngine.get_optimizer_configuration`` decides."""
+    block = ds_config.get("optimizer")
+    if not isinstance(block, dict) or str(block.get("type", "")).lower() not in ("adam", "adamw"):
+        return None
+    if (block.get("params") or {}).get("torch_adam"):
+        return None
+    offload = (ds_config.get("zero_optimization") or {}).get("offload_optimizer") or {}
+    return "cpu_adam" if offload.get("device") in ("cpu", "nvme") else "fused_adam"
+
+
+# What a JIT build of each op runs (torch.utils.cpp_extension: ninja always; nvcc for CUDA sources).
+_BUILD_TOOLS = {"fused_adam": ("ninja", "nvcc"), "cpu_adam": ("ninja", "c++")}
+
+
+def optimizer_build_problem(ds_config: dict[str, Any], prebuilt: dict[str, bool], find_tool) -> str | None:
+    """Why the optimizer DeepSpeed would build cannot be built here (None when nothing is built, it is
+    prebuilt, or its tools are present): checked before ``deepspeed.initialize`` on an accelerator, where
+    the build would otherwise fail after minutes or in the middle of the start. `find_tool(name)`: the
+    tool's path or None (shutil.which, with nvcc also looked for under CUDA_HOME)."""
+    op = jit_optimizer_op(ds_config)
+    if op is None or prebuilt.get(op):
+        return None
+    missing = [tool for tool in _BUILD_TOOLS[op] if find_tool(tool) is None]
+    if not missing:
+        return None
+    return (
+        f"optim.name=adamw makes DeepSpeed JIT-compile its {op} op at start (minutes), which needs "
+        f"{' and '.join(_BUILD_TOOLS[op])}; missing here: {', '.join(missing)}. Use optim.name=adamw_torch "
+        "optim.fused=true (torch's fused AdamW, nothing to build; what the GPU recipes use), or install the "
+        f"tools, or a deepspeed built with its ops (DS_BUILD_{op.upper()}=1 pip install deepspeed)."
+    )

@@ -10,6 +10,7 @@ import logging
 import math
 import os
 import resource
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ from ntil_ds.dist import (
     make_host_group,
     make_peer_check_group,
 )
+from ntil_ds.ds_config import optimizer_build_problem
 from ntil_ds.model.parts import expert_modules, num_experts
 
 logger = logging.getLogger(__name__)
@@ -144,6 +146,30 @@ def set_expert_leaf_modules(model: torch.nn.Module) -> list[type]:
 # The engine
 
 
+def _find_build_tool(name: str) -> str | None:
+    """A build tool's path, nvcc also under torch's CUDA_HOME (where DeepSpeed's builders look)."""
+    found = shutil.which(name)
+    if found is None and name == "nvcc":
+        from torch.utils.cpp_extension import CUDA_HOME
+
+        candidate = Path(CUDA_HOME or "/nonexistent") / "bin" / "nvcc"
+        found = str(candidate) if candidate.is_file() else None
+    return found
+
+
+def check_optimizer_build(ds_config: dict[str, Any]) -> None:
+    """A ConfigError, with the fix, when `deepspeed.initialize` would have to JIT-compile the optimizer's
+    op on this accelerator without the tools to (`ds_config.optimizer_build_problem`). Not on the CPU,
+    where the project's runs use ops built once (TORCH_EXTENSIONS_DIR)."""
+    if get_accelerator().device_name() == "cpu":
+        return
+    from deepspeed.git_version_info import installed_ops
+
+    problem = optimizer_build_problem(ds_config, installed_ops, _find_build_tool)
+    if problem:
+        raise ConfigError(problem)
+
+
 class TrainingEngine:
     """A thin wrapper over ``deepspeed.DeepSpeedEngine`` that speaks the trainer's language.
 
@@ -169,6 +195,7 @@ class TrainingEngine:
                 ),
             )
 
+        check_optimizer_build(ds_config)  # the trainer checks before building the model; others here
         if ds_config.get("zero_optimization", {}).get("stage") == 3:
             set_expert_leaf_modules(model)
         self.engine, _, _, _ = deepspeed.initialize(
@@ -266,11 +293,15 @@ class TrainingEngine:
 
     def grad_norm(self) -> torch.Tensor:
         """Norm of the gradients of the last optimizer step, before clipping (NaN if unknown), as a 0-dim
-        tensor where DeepSpeed left it: reading it is the caller's choice of sync point."""
+        tensor on the engine's device: reading it is the caller's choice of sync point."""
         norm = self.engine.get_global_grad_norm()
         if isinstance(norm, torch.Tensor):
-            return norm.detach().reshape(())
-        return torch.tensor(float("nan") if norm is None else float(norm), dtype=torch.float64)
+            return norm.detach().reshape(()).to(self.engine.device)
+        # ZeRO-1/2/3 leave a Python float (inf) on an overflow step, None when they skip the norm: made on
+        # the engine's device, as the step's other values are, or `read_to_host` would mix devices on a GPU
+        # exactly on the non-finite step whose report it exists for.
+        value = float("nan") if norm is None else float(norm)
+        return torch.tensor(value, dtype=torch.float64, device=self.engine.device)
 
     # -- checkpoints and export -------------------------------------------------------------------------
 

@@ -192,3 +192,38 @@ def _score_clock(predictions, references) -> dict[str, float]:
         ),
         "clock_dev_minutes": _mean(deviations),
     }
+
+
+def item_scores(
+    task: str, metric: str, predictions: Sequence[str], references: Sequence[str]
+) -> tuple[list[float], list[float]]:
+    """Per test item, (value, weight) of one of :func:`score`'s means: the score is sum(value * weight) /
+    sum(weight), weight 0 for an item the mean leaves out (an unparsed answer of a mean error). What a
+    bootstrap over test items resamples; `digit_acc` (a mean over digit positions) has none."""
+    parsers = {"boxes": parse_box, "clock": parse_clock}
+    parser = parsers.get(task, parse_number)
+    refs = [_reference(parser, r) for r in references]
+    preds = [parser(p) for p in predictions]
+    parsed = [float(p is not None) for p in preds]
+    if metric == "exact_match":
+        return [float(exact_match(p, r)) for p, r in zip(predictions, references, strict=True)], [1.0] * len(
+            refs
+        )
+    if metric == "parse_rate":
+        return parsed, [1.0] * len(refs)
+    per_item = {
+        ("boxes", "iou"): lambda p, r: box_iou(p, r),
+        ("boxes", "acc@0.5"): lambda p, r: float(box_iou(p, r) >= 0.5),
+        ("boxes", "coord_mae"): lambda p, r: sum(abs(a - b) for a, b in zip(p, r, strict=True)) / 4,
+        ("clock", "clock_acc"): lambda p, r: float(clock_deviation(p, r) == 0),
+        ("clock", "clock_dev_minutes"): lambda p, r: float(clock_deviation(p, r)),
+        ("number", "abs_error"): absolute_error,
+        ("number", "rel_error"): relative_error,
+    }
+    function = per_item.get((task if task in parsers else "number", metric))
+    if function is None:
+        raise ValueError(f"no per-item score for {metric!r} of task {task!r}")
+    values = [function(p, r) if p is not None else 0.0 for p, r in zip(preds, refs, strict=True)]
+    # accuracies and IoU count an unparsed answer as a miss (weight 1, value 0); mean errors skip it
+    counts_unparsed = metric in ("iou", "acc@0.5", "clock_acc")
+    return values, [1.0] * len(refs) if counts_unparsed else parsed

@@ -33,19 +33,21 @@ from ntil_ds.checkpoint import (
     load_checkpoint,
 )
 from ntil_ds.config import Config, flatten, gradient_accumulation_steps, save_config
-from ntil_ds.data import (
-    Collator,
-    ConversationDataset,
-    ResumableDistributedSampler,
-    load_processor,
-    tokenizer_of,
-)
+from ntil_ds.data import Collator, ResumableDistributedSampler, load_processor, tokenizer_of
 from ntil_ds.data.batch import MicroBatch
+from ntil_ds.data.cached_dataset import AnyConversationDataset, load_dataset
 from ntil_ds.data.packing import PackedCollator
 from ntil_ds.data.steps import StepBatches, step_loader
-from ntil_ds.dist import DistInfo, all_reduce_host_sums, all_reduce_sums, leave_process_group, read_to_host
+from ntil_ds.dist import (
+    DistInfo,
+    all_reduce_host_sums,
+    all_reduce_sums,
+    barrier,
+    leave_process_group,
+    read_to_host,
+)
 from ntil_ds.ds_config import write_deepspeed_config
-from ntil_ds.engine import TrainingEngine, device_for, peak_memory_mib
+from ntil_ds.engine import TrainingEngine, check_optimizer_build, device_for, peak_memory_mib
 from ntil_ds.evaluation.numeric import NumericEval
 from ntil_ds.evaluation.teacher_forced import TeacherForcedEval
 from ntil_ds.export import export_hf_folder
@@ -96,6 +98,7 @@ class Trainer:
         self.output_dir = Path(cfg.output_dir)
         self.grad_accum = gradient_accumulation_steps(cfg, dist_info.dp_size)
         self.device = device_for(dist_info.local_rank)
+        check_optimizer_build(ds_config)  # an optimizer op that cannot build fails now, not after the model
         # Which checkpoint to continue, decided by rank 0 for all, and checked against this recipe before
         # anything is built or written: a different recipe must not silently continue another run.
         checkpoint = agree_on_resume_checkpoint(cfg.resume, self.output_dir, dist_info)
@@ -326,10 +329,11 @@ class Trainer:
     # ------------------------------------------------------------------------------------------------
     # Building and bookkeeping
 
-    def _dataset(self, path: str) -> ConversationDataset:
-        data = ConversationDataset(
-            path, self.processor, self.cfg.data.max_seq_len, on_bad_sample=self.cfg.data.on_bad_sample
-        )
+    def _dataset(self, path: str) -> AnyConversationDataset:
+        d = self.cfg.data  # encoded once into the cache by the main rank, mapped by all (data/cache.py)
+        data = load_dataset(path, self.processor, d.max_seq_len, d.on_bad_sample, cache=d.cache,
+                            cache_dir=d.cache_dir, output_dir=self.output_dir, is_main=self.dist.is_main,
+                            barrier=barrier)  # fmt: skip
         if self.dist.is_main:
             log.info("data: %s", data.report.summary())
         return data

@@ -5,4 +5,9 @@ the test split, the losses compared (``launch/compare.py`` is the command).
   seeds, the change against the baseline, the table); pure, unit-tested on hand-computed cases.
 - :mod:`~ntil_ds.comparison.grid`: the grid itself: training jobs through the real launcher, scoring,
   the outputs rewritten after every run, the MLflow parent run (``ntil_ds.tracking.mlflow_comparison``).
+- :mod:`~ntil_ds.comparison.stats` and :mod:`~ntil_ds.comparison.paired`: each loss against the baseline
+  seed by seed (paired t and log-ratio intervals, the exact sign test, the seeds x items bootstrap).
+- :mod:`~ntil_ds.comparison.controls`: answer-ignoring constants and the shuffled-input check.
+- :mod:`~ntil_ds.comparison.splits` and :mod:`~ntil_ds.comparison.merge`: grids read as one, their test
+  splits compared by content, a test item in a training split refused.
 """

@@ -20,6 +20,15 @@ import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ntil_ds.comparison.controls import (
+    SHUFFLED_FILE,
+    control_scores,
+    controls_markdown,
+    controls_metrics,
+    shuffled_chance,
+    write_shuffled_split,
+)
+from ntil_ds.comparison.paired import EVAL_FILE, paired_markdown, paired_metrics, paired_report
 from ntil_ds.comparison.results import (
     RunResult,
     change_error,
@@ -29,6 +38,7 @@ from ntil_ds.comparison.results import (
     summarize,
     table_markdown,
 )
+from ntil_ds.comparison.splits import refuse_overlap, split_hash
 from ntil_ds.config import ConfigError, load_config, redact_uri
 from ntil_ds.data.synthetic import write_dataset
 from ntil_ds.evaluation.generate import score_exported_model, task_of, write_report
@@ -68,6 +78,9 @@ class ComparisonPlan:
     nproc: int
     base_overrides: list[str]  # for every run, after the recipe
     test_split: Path
+    test_split_sha256: str  # of its bytes and its images' (comparison.splits): what a merge compares
+    train_split: Path  # the answer-ignoring constants come from it; a test item in it is refused
+    shuffled_n: int  # items of the shuffled-input check (image tasks); 0: none
     task: str
     metrics: tuple[str, ...]  # shown; the first is the numeric error the comparison is about
     uri: str  # MLflow
@@ -97,6 +110,7 @@ def plan_comparison(
     test_split: Path | None,
     task: str | None,
     command: str,
+    shuffled_n: int = 200,
 ) -> ComparisonPlan:
     """Check the recipe once (a bad recipe or override fails here, not in every job) and fix the plan."""
     cfg = load_config(recipe, overrides)
@@ -104,6 +118,9 @@ def plan_comparison(
     if not test.is_file():
         raise SystemExit(f"test split {test} does not exist; give --test FILE (a JSONL of the task)")
     task = task or task_of(test)
+    train = Path(cfg.data.train_file)
+    if train.is_file():  # a missing one fails in the first job, with the trainer's own message
+        refuse_overlap(test, [train])
     return ComparisonPlan(
         recipe=recipe,
         out=out,
@@ -114,6 +131,9 @@ def plan_comparison(
         # URI below, clean, and inherit the credentials through the environment).
         base_overrides=[redact_uri(override) for override in overrides],
         test_split=test,
+        test_split_sha256=split_hash(test),
+        train_split=train,
+        shuffled_n=shuffled_n,
         task=task,
         metrics=metrics_shown(task),
         # Credentials in the URI go into this process's environment, which every job inherits.
@@ -131,6 +151,25 @@ class Comparison:
     plan: ComparisonPlan
     runs: list[RunResult] = field(default_factory=list)
     started: float = field(default_factory=time.perf_counter)
+    controls: dict | None = None
+
+    def prepare_controls(self) -> dict | None:
+        """The constants scored on the test split, and the shuffled split with its chance level (written
+        once, before the first job: every export is scored on the same one)."""
+        plan = self.plan
+        try:
+            controls = control_scores(plan.task, plan.train_split, plan.test_split)
+        except (ValueError, OSError) as e:  # user data the constants cannot be made from: said, not fatal
+            print(f"note: no answer-ignoring controls ({e})", flush=True)
+            return None
+        shuffled = plan.shuffled_n > 0 and write_shuffled_split(
+            plan.test_split, plan.out / SHUFFLED_FILE, plan.shuffled_n
+        )
+        if shuffled:
+            controls["shuffled"] = shuffled | {
+                "chance": shuffled_chance(plan.task, plan.test_split, shuffled)
+            }
+        return controls
 
     def run(self) -> dict:
         """Every (loss, seed), seed-major (a grid cut short still has every loss for the first seeds);
@@ -153,6 +192,7 @@ class Comparison:
         total = len(plan.specs) * len(plan.seeds)
         grid = f"{len(plan.specs)} losses x {len(plan.seeds)} seeds on {plan.task}"
         print(f"comparison {plan.name}: {grid}; MLflow {plan.uri}", flush=True)
+        self.controls = self.prepare_controls()
         report = {}
         for seed in plan.seeds:
             for label, loss, loss_overrides in plan.specs:
@@ -175,6 +215,7 @@ class Comparison:
                 if p.is_file()
             ],
             any_failed=bool(report["failed"]),
+            extra_metrics=paired_metrics(report["paired"]) | controls_metrics(report.get("controls")),
         )
         print(
             f"\n{(plan.out / 'table.md').read_text()}\nresults: {plan.out / 'results.json'}\n"
@@ -219,14 +260,24 @@ class Comparison:
         started = time.perf_counter()
         try:
             report = score_exported_model(run_dir / "export", plan.test_split, plan.task, batch_size=32)
-            write_report(report, run_dir / "eval_test.json")
+            write_report(report, run_dir / EVAL_FILE)
         except Exception as e:  # one bad run must not end the comparison
             run.status, run.stage = "failed", "evaluate"
             run.error = "".join(traceback.format_exception_only(type(e), e)).strip()
             return
-        run.eval_s = time.perf_counter() - started
         run.metrics = report["metrics"]
         run.status = "ok"
+        shuffled = (self.controls or {}).get("shuffled")
+        if shuffled:  # the same export on the shuffled split: does it read its images?
+            try:
+                report = score_exported_model(
+                    run_dir / "export", Path(shuffled["path"]), plan.task, batch_size=32
+                )
+                write_report(report, run_dir / "eval_shuffled.json")  # NaN scores become None there
+                run.shuffled = report["metrics"]
+            except Exception as e:  # the check is a control: its failure is recorded, the run stands
+                run.shuffled = {"error": "".join(traceback.format_exception_only(type(e), e)).strip()}
+        run.eval_s = time.perf_counter() - started
 
     def write(self, parent_run_id: str) -> dict:
         """results.json, table.md and the plots from the runs so far; returns the report."""
@@ -237,6 +288,9 @@ class Comparison:
             "command": plan.command,
             "task": plan.task,
             "test_split": str(plan.test_split),
+            "test_split_sha256": plan.test_split_sha256,
+            "train_split": str(plan.train_split),
+            "controls": self.controls,
             "losses": [label for label, _, _ in plan.specs],
             "seeds": plan.seeds,
             "nproc": plan.nproc,
@@ -270,12 +324,21 @@ def write_outputs(
         "change_vs_baseline_error": {  # the standard error of each change (table.md's "± s.e.")
             label: change_error(summary, label, baseline, metrics[0]) for label in summary
         },
+        # each loss against the baseline, seed by seed (comparison.paired; the table's second section)
+        "paired": paired_report(runs, metrics, baseline, header["task"]),
         "curves": score_curves(runs, metrics),  # scores while training, per seed
         "runs": [asdict(r) for r in runs],
         "failed": [f"{r.label} seed {r.seed}" for r in runs if r.status != "ok"],
     }
     (out / "results.json").write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
-    (out / "table.md").write_text(table_markdown(runs, summary, metrics, baseline) + table_note)
-    plot_comparison(summary, metrics, out / "comparison.png", title, HIGHER_IS_BETTER)
+    table = "\n".join(
+        [
+            table_markdown(runs, summary, metrics, baseline),
+            paired_markdown(report["paired"], metrics[0], baseline),
+            controls_markdown(header.get("controls"), runs, summary, metrics),
+        ]
+    )
+    (out / "table.md").write_text(table + table_note)
+    plot_comparison(summary, metrics, out / "comparison.png", title, HIGHER_IS_BETTER, report["paired"])
     plot_comparison_curves(report["curves"], metrics, out / "curves.png", f"{title}: during training")
     return report

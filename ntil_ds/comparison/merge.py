@@ -4,18 +4,26 @@ comparison.png and curves.png, as if one ``launch/compare.py`` had run them all.
 
 Nothing is trained or scored again: the runs' metrics come from each grid's results.json and their
 curves from each run's own metrics.jsonl (so the grids' ``runs/`` folders must still be where they
-were written). Runs scored on another test split, or the same (loss, seed) twice, are refused: they
-are not the same comparison.
+were written). Runs scored on other test items (the test splits' content hashes differ, whatever their
+paths), a test split that shares items with a grid's training split, or the same (loss, seed) twice,
+are refused: they are not the same comparison. The merge gets its own MLflow parent run (``--out``'s
+mlflow.db unless MLFLOW_TRACKING_URI says otherwise) with the merged summary and paired statistics.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
+from ntil_ds.comparison.controls import control_scores, controls_metrics
 from ntil_ds.comparison.grid import write_outputs
-from ntil_ds.comparison.results import RunResult
+from ntil_ds.comparison.paired import paired_metrics
+from ntil_ds.comparison.results import RunResult, slug
+from ntil_ds.comparison.splits import refuse_overlap, split_hash
+from ntil_ds.tracking import resolve_tracking_uri
+from ntil_ds.tracking.mlflow_comparison import ComparisonRuns
 from ntil_ds.tracking.step_log import METRICS_FILE
 
 
@@ -24,12 +32,13 @@ def merge_comparisons(grids: list[Path], out: Path) -> dict:
     reports = [_read_results(grid) for grid in grids]
     first = reports[0]
     for grid, report in zip(grids[1:], reports[1:], strict=True):
-        for key in ("task", "test_split"):
-            if report[key] != first[key]:
-                raise SystemExit(
-                    f"cannot merge {grid}: its {key} is {report[key]!r}, {grids[0]}'s is {first[key]!r}; "
-                    "only runs scored on the same test split are one comparison"
-                )
+        if report["task"] != first["task"]:
+            raise SystemExit(
+                f"cannot merge {grid}: its task is {report['task']!r}, {grids[0]}'s is {first['task']!r}; "
+                "only runs scored on the same test split are one comparison"
+            )
+    test_hash = _same_test_items(grids, reports)
+    _no_test_item_trained_on(grids, reports)
     runs: list[RunResult] = []
     owner: dict[tuple[str, int], Path] = {}
     for grid, report in zip(grids, reports, strict=True):
@@ -64,6 +73,10 @@ def merge_comparisons(grids: list[Path], out: Path) -> dict:
         "name": f"merge-{time.strftime('%Y%m%d-%H%M%S')}",
         "task": first["task"],
         "test_split": first["test_split"],
+        "test_split_sha256": test_hash,
+        "train_split": first.get("train_split"),
+        # the same test split: the first grid's controls hold for all (made now for a grid that has none)
+        "controls": first.get("controls") or _constants_now(first),
         "losses": labels,
         "seeds": seeds,
         "complete": all(report.get("complete", False) for report in reports),
@@ -77,7 +90,90 @@ def merge_comparisons(grids: list[Path], out: Path) -> dict:
         note += f"- note: {grid} differs from {grids[0]}: {difference}\n"
     out.mkdir(parents=True, exist_ok=True)
     title = f"{first['task']}: merged from {len(grids)} grids, seeds {','.join(map(str, seeds))}"
-    return write_outputs(out, runs, tuple(first["metrics"]), baseline, header, title, note)
+    uri = resolve_tracking_uri("", out, os.environ.get("MLFLOW_TRACKING_URI"))
+    experiment = (first.get("mlflow") or {}).get("experiment", "ntil-ds")
+    params = {
+        "merged_from": " ".join(map(str, grids)),
+        "task": first["task"],
+        "test_split": first["test_split"],
+    }
+    parent = ComparisonRuns(uri, experiment, header["name"], params | {"test_split_sha256": test_hash})
+    header["mlflow"] = {"uri": uri, "experiment": experiment, "parent_run_id": parent.parent}
+    report = write_outputs(out, runs, tuple(first["metrics"]), baseline, header, title, note)
+    parent.finish(
+        {slug(label): stats for label, stats in report["summary"].items()},
+        [
+            p
+            for p in (out / n for n in ("results.json", "table.md", "comparison.png", "curves.png"))
+            if p.is_file()
+        ],
+        any_failed=bool(report["failed"]),
+        extra_metrics=paired_metrics(report["paired"]) | controls_metrics(report.get("controls")),
+    )
+    return report
+
+
+def _same_test_items(grids: list[Path], reports: list[dict]) -> str:
+    """The test splits' content hash, one for all grids, or SystemExit. A grid written before the hash
+    was recorded is hashed now from its test split's path (refused if that file is gone)."""
+    hashes = []
+    for grid, report in zip(grids, reports, strict=True):
+        recorded = report.get("test_split_sha256")
+        if recorded is None:
+            path = Path(report["test_split"])
+            if not path.is_file():
+                raise SystemExit(
+                    f"cannot merge {grid}: its results.json records no test split hash and its test split "
+                    f"{path} is gone, so what it was scored on cannot be compared"
+                )
+            print(f"note: {grid} recorded no test split hash; hashed {path} as it is now", flush=True)
+            recorded = split_hash(path)
+        hashes.append(recorded)
+    for grid, report, digest in zip(grids[1:], reports[1:], hashes[1:], strict=True):
+        if digest != hashes[0]:
+            raise SystemExit(
+                f"cannot merge {grid}: its test split {report['test_split']} (sha256 {digest[:12]}) differs in "
+                f"content from {grids[0]}'s {reports[0]['test_split']} (sha256 {hashes[0][:12]}); only runs "
+                "scored on the same test items are one comparison"
+            )
+    return hashes[0]
+
+
+def _constants_now(report: dict) -> dict | None:
+    """The answer-ignoring constants of a grid written before they were recorded, from its splits as
+    they are now (the shuffled check needs every export run again: not made here)."""
+    train, test = _train_split(report), Path(report["test_split"])
+    if not train or not Path(train).is_file() or not test.is_file():
+        return None
+    try:
+        return control_scores(report["task"], Path(train), test)
+    except ValueError as e:
+        print(f"note: no answer-ignoring controls ({e})", flush=True)
+        return None
+
+
+def _train_split(report: dict) -> str | None:
+    """The grid's training split: recorded, else its ``data.train_file=`` override (older grids)."""
+    named = [o.partition("=")[2] for o in report.get("overrides", []) if o.startswith("data.train_file=")]
+    return report.get("train_split") or (named[-1] if named else None)
+
+
+def _no_test_item_trained_on(grids: list[Path], reports: list[dict]) -> None:
+    """Refuse a merge whose test split shares an item with any grid's training split (a larger draw with
+    the same seed splits the same items differently); a training split not found is said, not checked."""
+    test = next((Path(r["test_split"]) for r in reports if Path(r["test_split"]).is_file()), None)
+    trains = []
+    for grid, report in zip(grids, reports, strict=True):
+        train = _train_split(report)
+        if train and Path(train).is_file():
+            trains.append(Path(train))
+        else:
+            print(
+                f"note: {grid}'s training split ({train or 'not recorded'}) was not found: not checked",
+                flush=True,
+            )
+    if test and trains:
+        refuse_overlap(test, trains)
 
 
 def _read_results(grid: Path) -> dict:

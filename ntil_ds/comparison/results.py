@@ -30,6 +30,7 @@ class RunResult:
     train_s: float | None = None
     eval_s: float | None = None
     metrics: dict[str, Any] = field(default_factory=dict)
+    shuffled: dict[str, Any] = field(default_factory=dict)  # scores on the shuffled-input check, if run
     mlflow_run_id: str | None = None
 
 
@@ -95,12 +96,15 @@ def change_vs(summary: dict, label: str, baseline: str, metric: str) -> float | 
 
 
 def change_error(summary: dict, label: str, baseline: str, metric: str) -> float | None:
-    """The standard error of that change: of the difference of the two means (independent seeds), over
-    the baseline's mean; None without two runs on each side."""
+    """The delta-method standard error of that change (unpaired: seeds taken as independent),
+    sqrt(se_o^2 / m_c^2 + m_o^2 se_c^2 / m_c^4): the baseline's mean is uncertain too, not a constant
+    to divide by. None without two runs on each side; the paired analysis is in comparison.paired."""
     base, this = summary.get(baseline, {}).get(metric), summary.get(label, {}).get(metric)
     if not base or not this or base["mean"] == 0 or min(base["n"], this["n"]) < 2:
         return None
-    return math.sqrt(this["std"] ** 2 / this["n"] + base["std"] ** 2 / base["n"]) / abs(base["mean"])
+    se_o, se_c = this["std"] / math.sqrt(this["n"]), base["std"] / math.sqrt(base["n"])
+    m_o, m_c = this["mean"], base["mean"]
+    return math.sqrt(se_o**2 / m_c**2 + m_o**2 * se_c**2 / m_c**4)
 
 
 def seed_values(runs: list[RunResult], label: str, metric: str) -> list[tuple[int, float]]:
@@ -131,7 +135,7 @@ def table_markdown(runs: list[RunResult], summary: dict, metrics: tuple[str, ...
             f"{m} ({'higher' if m in HIGHER_IS_BETTER else 'lower'} is better)" if m in metrics else m
             for m in columns
         ),
-        f"{primary} vs {baseline} (± s.e.)",
+        f"{primary} vs {baseline} (± s.e., delta method)",
         f"seeds better than {baseline}'s mean",
     ]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]

@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 import torch
 from PIL import Image
-from tqdm import tqdm
 
 from ntil_ds.data.encoding import EncodedConversation, aligned_targets, encode
 from ntil_ds.data.processor import is_multimodal
-from ntil_ds.data.records import BadSample, Conversation, DataError, read_jsonl
+from ntil_ds.data.progress import progress
+from ntil_ds.data.records import BadSample, Conversation, DataError, read_jsonl_indexed
 
 log = logging.getLogger(__name__)
 
@@ -62,41 +63,19 @@ class ConversationDataset(torch.utils.data.Dataset):
         on_bad_sample: Literal["error", "skip"] = "error",
         show_progress: bool = False,
     ):
-        if on_bad_sample not in ("error", "skip"):
-            raise DataError(f"on_bad_sample must be 'error' or 'skip', got {on_bad_sample!r}")
-        if max_seq_len < 2:
-            raise DataError(f"max_seq_len must be at least 2, got {max_seq_len}")
+        check_settings(max_seq_len, on_bad_sample)
         self.path = Path(path)
         self.processor = processor
         self.max_seq_len = max_seq_len
         self.report = DataReport(str(self.path))
         self.conversations: list[Conversation] = []
         self._encoded: list[EncodedConversation] = []
-        lines = read_jsonl(self.path)
-        for _, item in tqdm(lines, desc=f"checking {self.path.name}", unit="line", disable=not show_progress):
-            try:
-                if isinstance(item, BadSample):
-                    raise item
-                encoded = encode(processor, item, max_seq_len)
-            except BadSample as bad:
-                if on_bad_sample == "error":
-                    raise BadSample(
-                        bad.source,
-                        bad.reason,
-                        f"{bad.detail} (or set data.on_bad_sample=skip to skip such lines)",
-                    ) from None
-                self.report.skipped[bad.reason] += 1
-                if len(self.report.examples) < 5:
-                    self.report.examples.append(str(bad))
-                continue
+        for _, _, item, encoded in checked_samples(
+            read_jsonl_indexed(self.path), processor, max_seq_len, on_bad_sample, self.report, show_progress
+        ):
             self.conversations.append(item)
             self._encoded.append(encoded)
-            self.report.truncated += encoded.truncated
-        self.report.kept = len(self._encoded)
-        if self.report.num_skipped:
-            log.warning("%s; first ones: %s", self.report.summary(), " | ".join(self.report.examples))
-        if not self._encoded:
-            raise DataError(f"{self.path}: no usable samples ({self.report.summary()})")
+        finish_report(self.report)
 
     def __len__(self) -> int:
         return len(self._encoded)
@@ -112,26 +91,82 @@ class ConversationDataset(torch.utils.data.Dataset):
         if not is_multimodal(self.processor):
             return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "targets": targets}
         conversation = self.conversations[index]
-        return {**self._processor_outputs(conversation, encoded.text, input_ids), "targets": targets}
-
-    def _processor_outputs(self, conversation: Conversation, text: str, input_ids: torch.Tensor) -> dict:
-        images = [load_rgb(path, conversation.source) for path in conversation.images]
-        out = self.processor(
-            text=[text], images=images or None, return_tensors="pt", add_special_tokens=False
+        outputs = processor_outputs(
+            self.processor, conversation.images, conversation.source, encoded.text, input_ids
         )
-        length = len(input_ids)
-        if not torch.equal(out["input_ids"][0, :length], input_ids):
-            raise RuntimeError(
-                f"{conversation.source}: the processor's token ids differ from those measured when the "
-                "dataset was loaded (was the processor changed after loading the dataset?)"
-            )
-        sample = {}
-        for key, value in out.items():
-            if key in PER_TOKEN_KEYS:
-                sample[key] = value[0, :length]
-            elif isinstance(value, torch.Tensor):
-                sample[key] = value
-        return sample
+        return {**outputs, "targets": targets}
+
+
+def processor_outputs(processor, images: list[Path], source: str, text: str, input_ids: torch.Tensor) -> dict:
+    """The processor's tensors for one sample (per-token ones cut to its measured length), checked
+    against the ids measured when the dataset was loaded."""
+    pixels = [load_rgb(path, source) for path in images]
+    out = processor(text=[text], images=pixels or None, return_tensors="pt", add_special_tokens=False)
+    length = len(input_ids)
+    if not torch.equal(out["input_ids"][0, :length], input_ids):
+        raise RuntimeError(
+            f"{source}: the processor's token ids differ from those measured when the "
+            "dataset was loaded (was the processor or an image changed after loading the dataset?)"
+        )
+    sample = {}
+    for key, value in out.items():
+        if key in PER_TOKEN_KEYS:
+            sample[key] = value[0, :length]
+        elif isinstance(value, torch.Tensor):
+            sample[key] = value
+    return sample
+
+
+def check_settings(max_seq_len: int, on_bad_sample: str) -> None:
+    if on_bad_sample not in ("error", "skip"):
+        raise DataError(f"on_bad_sample must be 'error' or 'skip', got {on_bad_sample!r}")
+    if max_seq_len < 2:
+        raise DataError(f"max_seq_len must be at least 2, got {max_seq_len}")
+
+
+def checked_samples(
+    lines: Iterable[tuple[int, int, Conversation | BadSample]],
+    processor,
+    max_seq_len: int,
+    on_bad_sample: str,
+    report: DataReport,
+    show_progress: bool = False,
+    total: int | None = None,
+) -> Iterator[tuple[int, int, Conversation, EncodedConversation]]:
+    """(line number, byte offset, conversation, encoding) of each usable line, in order, counting the rest in `report`.
+
+    The one place a line is judged: the dataset read every start and the data cache's build share it, so
+    both keep, cut and skip exactly the same lines with the same messages."""
+    desc = f"encoding {Path(report.path).name}"
+    for number, offset, item in progress(
+        lines, desc=desc, unit="line", total=total, disable=not show_progress
+    ):
+        try:
+            if isinstance(item, BadSample):
+                raise item
+            encoded = encode(processor, item, max_seq_len)
+        except BadSample as bad:
+            if on_bad_sample == "error":
+                raise BadSample(
+                    bad.source,
+                    bad.reason,
+                    f"{bad.detail} (or set data.on_bad_sample=skip to skip such lines)",
+                ) from None
+            report.skipped[bad.reason] += 1
+            if len(report.examples) < 5:
+                report.examples.append(str(bad))
+            continue
+        report.kept += 1
+        report.truncated += encoded.truncated
+        yield number, offset, item, encoded
+
+
+def finish_report(report: DataReport) -> None:
+    """Log what was skipped; refuse a file with nothing usable."""
+    if report.num_skipped:
+        log.warning("%s; first ones: %s", report.summary(), " | ".join(report.examples))
+    if not report.kept:
+        raise DataError(f"{report.path}: no usable samples ({report.summary()})")
 
 
 def load_rgb(path: Path, source: str) -> Image.Image:

@@ -72,17 +72,44 @@ def text_of(message: dict) -> str:
 
 def read_jsonl(path: str | Path) -> Iterator[tuple[int, Conversation | BadSample]]:
     """Yield (line number, conversation or the problem with that line) for every non-blank line."""
+    for number, _, item in read_jsonl_indexed(path):
+        yield number, item
+
+
+def read_jsonl_indexed(path: str | Path) -> Iterator[tuple[int, int, Conversation | BadSample]]:
+    """Like `read_jsonl`, with each line's byte offset in the file (what the data cache keeps, so that a
+    sample's conversation can be read again later without reading the file: `read_conversation_at`)."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: data file not found (give a JSONL file, one conversation per line)")
-    with path.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
+    with path.open("rb") as lines:
+        offset = 0
+        for number, raw in enumerate(lines, start=1):
+            start, offset = offset, offset + len(raw)
             try:
-                yield number, parse_line(line, path, number)
+                line = _decoded(raw, path, number)
+                if not line.strip():
+                    continue
+                yield number, start, parse_line(line, path, number)
             except BadSample as bad:
-                yield number, bad
+                yield number, start, bad
+
+
+def read_conversation_at(path: str | Path, offset: int, number: int) -> Conversation:
+    """The conversation of line `number` that starts at byte `offset` (checked again, images included)."""
+    path = Path(path)
+    with path.open("rb") as file:
+        file.seek(offset)
+        return parse_line(_decoded(file.readline(), path, number), path, number)
+
+
+def _decoded(raw: bytes, path: Path, number: int) -> str:
+    # Bytes, not text mode: the byte offset of every line is known (text mode's tell() is opaque), and a
+    # line that is not UTF-8 is a bad line of its own rather than an exception that ends the whole file.
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise BadSample(f"{path}:{number}", "malformed_json", f"not valid UTF-8 ({error})") from None
 
 
 def parse_line(line: str, path: Path, number: int) -> Conversation:

@@ -7,9 +7,13 @@ from typing import Any
 
 from ntil_ds.config import Config, ConfigError
 from ntil_ds.constants import IGNORE_INDEX
+from ntil_ds.loss.grouped import GroupedNTILLoss
 from ntil_ds.loss.ntil import NTILLoss
 from ntil_ds.loss.ntl import NTLLoss
-from ntil_ds.loss.tokenizer import digit_token_ids_from_tokenizer, number_sign_and_point_ids_from_tokenizer
+from ntil_ds.loss.tokenizer import (
+    number_sign_and_point_ids_from_tokenizer,
+    number_token_table_from_tokenizer,
+)
 
 
 def build_loss(cfg: Config, tokenizer: Any) -> NTILLoss | NTLLoss:
@@ -24,8 +28,12 @@ def build_loss(cfg: Config, tokenizer: Any) -> NTILLoss | NTLLoss:
     point_id = minus_id = None
     if c.decimal_numbers or c.signed_numbers:
         minus_id, point_id = number_sign_and_point_ids_from_tokenizer(tokenizer)
-    return NTILLoss(
-        digit_token_ids=digit_token_ids_from_tokenizer(tokenizer),
+    # One digit per token: NTILLoss on the ten digit ids; 1-3 digits grouped from the left: GroupedNTILLoss
+    # on the tokenizer's number token table (the probe refuses anything else, saying what it found).
+    table = number_token_table_from_tokenizer(tokenizer)
+    numbers = {"digit_token_ids": table[1]} if len(table) == 1 else {"number_token_table": table}
+    return (NTILLoss if len(table) == 1 else GroupedNTILLoss)(
+        **numbers,
         ntil_lambda=0.0 if c.name == "ce" else c.ntil_lambda,
         digit_alpha=c.digit_alpha,
         abs_alpha=0.0 if c.name == "emd" else c.abs_alpha,

@@ -114,11 +114,12 @@ class NTILLoss:
     Implementation choices (same numbers within float rounding, see docs/loss.md):
 
     - `kernel`: the vocabulary stage. "auto" runs the fused Triton kernels on CUDA logits in
-      fp32/bf16/fp16 when triton imports and the torch tiles otherwise; "torch" always the torch
+      fp32/bf16/fp16 where Triton works (a trivial kernel compiled and launched once per process,
+      `kernel_choice`; a failure is one warning) and the torch tiles otherwise; "torch" always the torch
       tiles; "triton" always the kernels (an error without Triton; CPU tensors only under Triton's
       interpreter, TRITON_INTERPRET=1).
     - `number_stage`: stage 2. "auto" runs the Triton number kernels (`number_kernel`: one launch
-      forward, one backward, deterministic) on CUDA when triton imports, the torch stage otherwise;
+      forward, one backward, deterministic) on CUDA where Triton works, the torch stage otherwise;
       "eager" always the torch stage as written; "compile" the torch stage through
       `torch.compile(dynamic=True)` (compiled at the first call, once per instance); "triton" always
       the kernels (an error without Triton; CPU tensors only under TRITON_INTERPRET=1). fp64 columns
@@ -366,7 +367,7 @@ class NTILLoss:
 
     def number_stage_for(self, columns: torch.Tensor) -> str:
         """What runs stage 2 on these columns: "triton", "eager" or "compile" (see the class docstring)."""
-        return resolve_number_stage(self.number_stage, columns.dtype, columns.is_cuda)
+        return resolve_number_stage(self.number_stage, columns.dtype, columns.device)
 
     def _number_terms(
         self, labels, columns, row_max, noise, unpack_index

@@ -132,9 +132,10 @@ def _run_terms(x_rel, x_mag, y, predicted_sign, target_sign):
     return rel, tl.where(exact, 0.0, d_rel), tl.log(high / low), d_mag
 
 
-# Mode flags are 0/1 ints that Triton must not specialize, so that one compiled kernel serves every mode
-# (a specialized 1 becomes a constexpr; bool arguments break the interpreter).
-@triton.jit(do_not_specialize=["has_unpack", "decimal", "signed", "has_noise"])
+# Ints not specialized (== 1 would be a constexpr, % 16 == 0 a hint): one compile serves all calls. The 0/1
+# flags (bools break the interpreter); sizes and strides, which packing changes each step (~1 s a compile).
+@triton.jit(do_not_specialize=["has_unpack", "decimal", "signed", "has_noise",
+            "unpack_stride", "columns_stride", "noise_stride", "table_width", "length"])  # fmt: skip
 def _forward_kernel(
     labels_ptr, unpack_ptr, unpack_stride, has_unpack,
     digit_ids_ptr, ignore_index, point_id, decimal, minus_id, signed,
@@ -290,9 +291,10 @@ def _forward_kernel(
     tl.store(counts_ptr + seq * 2 + 1, runs)
 
 
-@triton.jit(
-    do_not_specialize=["has_ntil_grad", "has_parts_grad", "has_unpack", "has_noise", "numbers_have_grad"]
-)
+@triton.jit(do_not_specialize=["has_ntil_grad", "has_parts_grad", "has_unpack", "has_noise",
+    "numbers_have_grad", "unpack_stride", "columns_stride", "noise_stride", "table_width", "length",
+    "num_positions", "num_columns", "grad_columns_stride", "grad_ntil_stride", "grad_parts_stride_seq",
+    "grad_parts_stride_part"])  # fmt: skip
 def _backward_kernel(
     grad_ntil_ptr, grad_ntil_stride, has_ntil_grad, grad_parts_ptr, grad_parts_stride_seq,
     grad_parts_stride_part, has_parts_grad,

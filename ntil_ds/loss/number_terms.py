@@ -19,6 +19,7 @@ from types import ModuleType
 
 import torch
 
+from ntil_ds.loss import kernel_choice
 from ntil_ds.loss.numbers import NumberLayout, NumberParams, analyse_numbers
 
 
@@ -185,13 +186,16 @@ def number_kernel_module() -> ModuleType | None:
     return number_kernel
 
 
-def resolve_number_stage(choice: str, dtype: torch.dtype, on_cuda: bool) -> str:
+def resolve_number_stage(choice: str, dtype: torch.dtype, device: torch.device) -> str:
     """The stage `NTILLoss(number_stage=choice)` runs on columns of this dtype and device: "triton", "eager"
-    or "compile". auto: the kernels on CUDA when Triton imports; fp64 (gradcheck) always the torch stage,
-    as the kernels compute in fp32."""
+    or "compile". auto: the kernels on CUDA where Triton works (`kernel_choice` probes it once per process;
+    otherwise the torch stage, with one warning); fp64 (gradcheck) always the torch stage, as the kernels
+    compute in fp32."""
     if choice in ("eager", "compile"):
         return choice
-    if dtype != torch.float32 or (choice == "auto" and not on_cuda):
+    if dtype != torch.float32 or (
+        choice == "auto" and not kernel_choice.auto_uses_triton(device, "the number stage")
+    ):
         return "eager"
     if number_kernel_module() is None:
         if choice == "triton":

@@ -14,7 +14,7 @@ Without a process group the forward kernel also finishes the row (log-sum-exp, C
 that stage 1 is one launch forward and one backward. With a process group it writes per-rank partials in
 the layout of the SUM all-reduce of `vocab_stats`, which then does the two all-reduces as before.
 
-Used automatically for CUDA logits in fp32/bf16/fp16 when Triton imports (see `kernel_wanted`); the
+Used automatically for CUDA logits in fp32/bf16/fp16 where Triton works (see `kernel_wanted`); the
 argument kernel="torch"|"triton"|"auto" (default auto) of `NTILLoss` / `position_stats` forces a path.
 `triton` on CPU tensors needs Triton's own TRITON_INTERPRET=1 set before this module is imported (the tests
 do that in subprocesses).

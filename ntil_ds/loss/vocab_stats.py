@@ -22,8 +22,9 @@ recomputes the softmax tile by tile from the logits themselves (saved by referen
 writes straight into the gradient.
 
 Two implementations of the per-row work, same contract: CUDA logits (fp32/bf16/fp16) go to the fused
-Triton kernels of `vocab_kernel` when Triton imports (one launch forward, one backward); everything
-else (CPU, fp64, CUDA without Triton) runs the torch tiles below. The caller's `kernel` argument
+Triton kernels of `vocab_kernel` when Triton works on the device (one launch forward, one backward;
+`kernel_choice` probes that once per process); everything else (CPU, fp64, CUDA without a working
+Triton) runs the torch tiles below. The caller's `kernel` argument
 ("auto", the default, "torch" or "triton"; `NTILLoss(kernel=...)`, `loss.kernel` in a recipe) overrides
 the choice; the collectives are the same either way.
 """
@@ -35,6 +36,8 @@ from types import ModuleType
 
 import torch
 import torch.distributed as dist
+
+from ntil_ds.loss import kernel_choice
 
 # CPU: rows are processed in tiles of about this many elements (4 MiB in fp32): large enough that the
 # Python loop over tiles costs little, small enough that a tile stays in cache between the max, exp
@@ -87,16 +90,22 @@ def check_kernel_choice(kernel: str) -> None:
     if kernel not in KERNEL_CHOICES:
         raise ValueError(
             f"kernel={kernel!r}: expected one of {', '.join(map(repr, KERNEL_CHOICES))} (auto: the Triton "
-            "kernels for CUDA logits when triton imports, else the torch path)."
+            "kernels for CUDA logits where Triton works, else the torch path)."
         )
 
 
 def kernel_wanted(logits: torch.Tensor, kernel: str = "auto") -> ModuleType | None:
     """The Triton kernel module when it should run on these logits, else None (the torch path).
-    `kernel`: "auto", "torch" (always the torch path) or "triton" (the kernels; an error without Triton)."""
+    `kernel`: "auto" (the kernels for CUDA logits where Triton works, see `kernel_choice`), "torch" (always
+    the torch path) or "triton" (the kernels; an error without Triton)."""
     check_kernel_choice(kernel)
     # fp64 (gradcheck) always takes the torch path: the kernels compute in fp32.
-    if kernel == "torch" or logits.dtype not in _KERNEL_DTYPES or (kernel == "auto" and not logits.is_cuda):
+    if kernel == "torch" or logits.dtype not in _KERNEL_DTYPES:
+        return None
+    # auto: only where a trivial kernel has compiled and launched on this device (once per process), so
+    # that a machine without a C compiler or Python headers gets the torch path, with one warning, instead
+    # of an error at the first step. "triton" skips the probe: its launch raises the original error.
+    if kernel == "auto" and not kernel_choice.auto_uses_triton(logits.device, "the vocabulary stage"):
         return None
     module = kernel_module()
     if module is None and kernel == "triton":
@@ -326,7 +335,7 @@ def position_stats(
         process_group: the vocabulary-parallel group, or None for the full vocabulary.
         payload: optional `[N, P]` numbers that the group's first rank sends to all ranks (only
             that rank's values are used; others may pass anything of the same shape).
-        kernel: "auto" (the Triton kernels for CUDA logits in fp32/bf16/fp16 when triton imports, else
+        kernel: "auto" (the Triton kernels for CUDA logits in fp32/bf16/fp16 where Triton works, else
             the torch tiles), "torch" or "triton" (see `kernel_wanted`).
 
     Returns:

@@ -13,6 +13,7 @@ module (the entry point's checks, the memory estimator's vocabulary) must not co
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 from collections.abc import Sequence
@@ -80,6 +81,7 @@ def load_model(
     ``ds_config``: the merged DeepSpeed config; with ZeRO stage 3 the parameters are partitioned over
     the ranks as they are created. None: a plain single-process model (evaluation, export checks).
     ``number_rows``: the head rows ``lora.head=number_rows`` trains (the token ids NTIL reads).
+    ``device``: where the model trains; random weights are created there unless ZeRO-3 partitions them.
     """
     from transformers import AutoConfig
     from transformers.integrations import HfDeepSpeedConfig, is_deepspeed_zero3_enabled
@@ -96,7 +98,12 @@ def load_model(
     dtype = DTYPES[cfg.dtype]
     common = {"dtype": dtype, "attn_implementation": attn, "trust_remote_code": cfg.trust_remote_code}
     if cfg.init == "random":
-        model = auto_class.from_config(hf_config, **common)
+        # Built where it trains (not under ZeRO-3, whose zero.Init places the parameters itself): a 2B
+        # model's init on the CPU is tens of seconds, single-threaded. That device's generator, seeded
+        # with the rest, draws the weights, so every job of a benchmark still gets the same ones.
+        on_device = device is not None and device.type != "cpu" and not is_deepspeed_zero3_enabled()
+        with torch.device(device) if on_device else contextlib.nullcontext():
+            model = auto_class.from_config(hf_config, **common)
     else:
         # QLoRA: 4-bit base weights, else nothing
         quantization = quantization_kwargs(cfg, lora, device, partitioned=is_deepspeed_zero3_enabled())

@@ -42,13 +42,19 @@ class ComparisonRuns:
         self.client.set_tag(child, "ntil_ds.comparison.status", run.status)
         if run.error:
             self.client.set_tag(child, "ntil_ds.comparison.error", run.error[-4000:])
-        for name, value in run.metrics.items():
-            if isinstance(value, (int, float)) and math.isfinite(value):
-                self.client.log_metric(child, metric_key(f"test/{name}"), float(value))
+        for split, scores in (("test", run.metrics), ("test_shuffled", getattr(run, "shuffled", {}))):
+            for name, value in scores.items():
+                if isinstance(value, (int, float)) and math.isfinite(value):
+                    self.client.log_metric(child, metric_key(f"{split}/{name}"), float(value))
 
-    def finish(self, summary: dict, artifacts: list[Path], any_failed: bool) -> None:
-        """The summary (``{label usable in a key: {metric: {"mean", "std"}}}``) and the grid's files into
-        the parent run, which then ends."""
+    def finish(
+        self, summary: dict, artifacts: list[Path], any_failed: bool, extra_metrics: dict | None = None
+    ) -> None:
+        """The summary (``{label usable in a key: {metric: {"mean", "std"}}}``), ``extra_metrics`` (the
+        paired statistics, flat) and the grid's files into the parent run, which then ends."""
+        for key, value in (extra_metrics or {}).items():
+            if isinstance(value, (int, float)) and math.isfinite(value):
+                self.client.log_metric(self.parent, metric_key(key), float(value))
         for label, stats in summary.items():
             for name, s in stats.items():
                 for what in ("mean", "std"):

@@ -142,12 +142,21 @@ def plot_run_history(history: History, out_dir: Path) -> list[Path]:
 
 
 def plot_comparison(
-    summary: dict, metrics: tuple[str, ...], path: Path, title: str, higher_is_better: set[str]
+    summary: dict,
+    metrics: tuple[str, ...],
+    path: Path,
+    title: str,
+    higher_is_better: set[str],
+    paired: dict | None = None,
 ) -> Path:
-    """One panel per metric: the mean per loss as a bar, the std over seeds as an error bar."""
+    """One panel per metric: the mean per loss as a bar, the std over seeds as an error bar; with
+    ``paired`` (comparison.paired's report) a last panel: each loss's paired change of the first metric
+    against the baseline with its 95 % interval, and every seed's own change as a dot."""
     labels = list(summary)
-    fig = Figure(figsize=(3.2 * len(metrics) + 1, 3.6), layout="constrained")
-    for ax, metric in zip(fig.subplots(1, len(metrics), squeeze=False)[0], metrics, strict=True):
+    panels = len(metrics) + bool(paired)
+    fig = Figure(figsize=(3.2 * panels + 1, 3.6), layout="constrained")
+    axes = fig.subplots(1, panels, squeeze=False)[0]
+    for ax, metric in zip(axes, metrics, strict=False):
         means = [summary[label].get(metric, {}).get("mean", math.nan) for label in labels]
         stds = [summary[label].get(metric, {}).get("std", 0.0) for label in labels]
         ax.bar(range(len(labels)), means, yerr=stds, capsize=4, color=[f"C{i}" for i in range(len(labels))])
@@ -155,8 +164,38 @@ def plot_comparison(
         better = "higher" if metric in higher_is_better else "lower"
         ax.set_title(f"{metric} ({better} is better)", fontsize=9)
         ax.grid(axis="y", alpha=0.3)
+    if paired:
+        _paired_panel(axes[-1], paired, metrics[0], labels)
     fig.suptitle(title, fontsize=10)
     return _save(fig, path)
+
+
+def _paired_panel(ax, paired: dict, metric: str, labels: list[str]) -> None:
+    """Relative change (%) from the paired log-ratio, or the absolute difference where the relative one
+    is omitted (a near-zero baseline): a point with its 95 % interval per loss, the seeds as dots."""
+    relative = all(p[metric]["relative"] for p in paired.values())
+    for x, label in enumerate(paired):
+        p = paired[label][metric]
+        colour = f"C{labels.index(label)}"
+        if relative:
+            centre, ci = 100 * p["relative"]["change"], p["relative"]["ci95"]
+            ci = ci and [100 * v for v in ci]
+            seeds = [100 * math.expm1(v) for v in p["relative"]["log_ratios"]]
+        elif p["difference"]:
+            centre, ci = p["difference"]["mean"], p["difference"]["ci95"]
+            seeds = [s["difference"] for s in p["per_seed"]]
+        else:
+            continue
+        if ci:
+            ax.errorbar(
+                [x], [centre], yerr=[[centre - ci[0]], [ci[1] - centre]], fmt="o", color=colour, capsize=5
+            )
+        ax.scatter([x + 0.15] * len(seeds), seeds, s=10, color=colour, alpha=0.6)
+    ax.axhline(0, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(paired)), list(paired), rotation=20, ha="right")
+    what = "change, % (paired log-ratio)" if relative else "difference (paired)"
+    ax.set_title(f"{metric} vs the baseline: {what}\n95 % CI; dots: the seeds", fontsize=9)
+    ax.grid(axis="y", alpha=0.3)
 
 
 def plot_comparison_curves(

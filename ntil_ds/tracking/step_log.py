@@ -19,6 +19,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from ntil_ds.data.progress import progress
 from ntil_ds.tracking.base import Tracker
 
 log = logging.getLogger(__name__)
@@ -44,7 +45,8 @@ class StepLog:
     ) -> None:
         self.tracker, self.output_dir, self.is_main = tracker, Path(output_dir), is_main
         self.max_steps, self.log_every = max_steps, log_every
-        self.progress = tqdm(
+        # progress: in a log file (a SLURM .out) one line every ~30 s, not one per step
+        self.progress = progress(
             total=max_steps,
             initial=first_step,
             desc="train",

@@ -79,6 +79,15 @@ def test_results_json_holds_every_run_and_the_summary(comparison):
     for label, differs in (("ce", False), ("ntl", True)):
         last = train_metrics(out / "runs" / f"{label}-seed0")[2]
         assert (last["loss"] > last["ce"] * (1 + 1e-6)) is differs, (label, last)
+    # paired against ce seed by seed (parse_rate: always a value, abs_error needs a parsed answer); the
+    # failed run is unpaired; the controls (a text task: constants, no shuffled check); the test hash
+    assert report["paired"]["ntl"]["parse_rate"]["paired_seeds"] == [0]
+    assert report["paired"][FAILING]["parse_rate"]["unpaired"] == [{"seed": 0, "other": "failed or no value"}]
+    assert set(report["controls"]["constants"]) == {
+        "best constant (train median)",
+        "most common train answer",
+    }
+    assert "shuffled" not in report["controls"] and len(report["test_split_sha256"]) == 64
     # each run was scored on its own export
     for label in ("ce", "ntl"):
         scored = json.loads((out / "runs" / f"{label}-seed0" / "eval_test.json").read_text())
@@ -91,6 +100,11 @@ def test_table_and_plot(comparison):
     assert "| ce | 1/1 |" in table and "| ntl | 1/1 |" in table and f"| {FAILING} | 0/1 |" in table
     assert "abs_error (lower is better)" in table and "abs_error vs ce" in table
     assert "Failed runs (1):" in table and "global_batch_size=3" in table
+    assert (
+        "Paired against ce" in table
+        and f"unpaired, left out of the paired statistics: {FAILING} vs ce" in table
+    )
+    assert "| best constant (train median) |" in table
     png = (out / "comparison.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 5000
     # the scores each run logged while training, per step and seed, and their plot
@@ -111,6 +125,7 @@ def test_mlflow_parent_with_a_child_per_job(comparison):
     parent = client.get_run(report["mlflow"]["parent_run_id"])
     assert parent.info.status == "FINISHED" and parent.data.tags["ntil_ds.comparison"] == "parent"
     assert "ce/parse_rate_mean" in parent.data.metrics and "ntl/abs_error_std" in parent.data.metrics
+    assert parent.data.metrics["ntl/paired/parse_rate_n"] == 1
     artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
     assert {"results.json", "table.md", "comparison.png", "curves.png"} <= artifacts
     children = client.search_runs(

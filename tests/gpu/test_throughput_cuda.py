@@ -14,13 +14,21 @@ import inspect
 import pytest
 import torch
 
-from ntil_ds.data import Collator, ConversationDataset, load_processor, tokenizer_of
-from ntil_ds.data.packing import PACKING_KEYS, PackedCollator
-from ntil_ds.loss import NTILLoss, digit_token_ids_from_tokenizer
-from ntil_ds.model.kernels import ROTARY_MODULES, apply_kernels, language_model
-from ntil_ds.model.packing import rope_fn_for
-from ntil_ds.tiny import build_tiny_model_folder
-from tests.distributed.training_runs import write_mixed_arithmetic_data
+# What this file's imports need beyond torch: a machine without one skips the file with the reason
+# instead of a collection error (gpu_check.sh runs this file in its own pytest call all the same);
+# hence the imports after it.
+for _module in ("transformers", "PIL", "psutil", "yaml"):
+    pytest.importorskip(
+        _module, reason=f"{_module} does not import: tests/gpu/test_throughput_cuda.py needs it"
+    )
+
+from ntil_ds.data import Collator, ConversationDataset, load_processor, tokenizer_of  # noqa: E402
+from ntil_ds.data.packing import PACKING_KEYS, PackedCollator  # noqa: E402
+from ntil_ds.loss import NTILLoss, digit_token_ids_from_tokenizer  # noqa: E402
+from ntil_ds.model.kernels import ROTARY_MODULES, apply_kernels, language_model  # noqa: E402
+from ntil_ds.model.packing import rope_fn_for  # noqa: E402
+from ntil_ds.tiny import build_tiny_model_folder  # noqa: E402
+from tests.distributed.training_runs import write_mixed_arithmetic_data  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

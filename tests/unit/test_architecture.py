@@ -190,8 +190,14 @@ def test_tracking_base_stands_alone():
 
 
 # Importers of tracking/mlflow_*.py: any other would put mlflow's 1.6 s import on every rank. build.py
-# imports the tracker lazily on the main rank; the CLI and the comparison grid run as one process.
-MLFLOW_MODULE_IMPORTERS = {("tracking", "build.py"), ("tracking", "__main__.py"), ("comparison", "grid.py")}
+# imports the tracker lazily on the main rank; the CLI and the comparison grid and its merge run as one
+# process.
+MLFLOW_MODULE_IMPORTERS = {
+    ("tracking", "build.py"),
+    ("tracking", "__main__.py"),
+    ("comparison", "grid.py"),
+    ("comparison", "merge.py"),
+}
 
 
 def test_only_build_and_single_process_tools_import_the_mlflow_tracking_modules():

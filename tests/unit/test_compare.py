@@ -61,9 +61,10 @@ def test_summary_mean_std_change_and_failed_runs(compare):
     assert compare.change_vs(summary, "ntil", "ce", "abs_error") == pytest.approx(7.5 / 12 - 1)
     table = compare.table_markdown(runs, summary, metrics, "ce")
     assert "| ce | 2/2 | 12 ± 2.8 | 0.75 ± 0.35 | 10.5 ± 0.71 |  |" in table
-    # the change's standard error: sqrt(4.5 / 2 + 8 / 2) / 12 (ntil's values 6, 9; ce's 10, 14)
-    assert compare.change_error(summary, "ntil", "ce", "abs_error") == pytest.approx(math.sqrt(6.25) / 12)
-    assert "| ntil | 2/3 | 7.5 ± 2.1 |" in table and "| -37.5% ± 20.8% | 2/2 |" in table
+    # the change's delta-method standard error (ntil's values 6, 9: se^2 4.5 / 2; ce's 10, 14: se^2 8 / 2):
+    # sqrt(2.25 / 12^2 + 7.5^2 * 4 / 12^4) = sqrt(0.015625 + 0.0108507) = 0.16271
+    assert compare.change_error(summary, "ntil", "ce", "abs_error") == pytest.approx(0.1627135, abs=1e-6)
+    assert "| ntil | 2/3 | 7.5 ± 2.1 |" in table and "| -37.5% ± 16.3% | 2/2 |" in table
     assert "- ntil: 6 (seed 0), 9 (seed 1)" in table  # per seed, the failed one left out there
     assert compare.seeds_better_than(runs, "ntil", 8.0, "abs_error") == (1, 2)  # 6 beats 8, 9 does not
     assert compare.seeds_better_than(runs, "ce", 0.9, "parse_rate") == (1, 2)  # higher is better there
@@ -159,13 +160,24 @@ def test_the_plan_takes_uri_credentials_and_writes_none(tmp_path, monkeypatch):
 def test_merge_reads_grids_run_apart_as_one(compare, tmp_path, capsys):
     """Two grids written by the grid's own writer (seeds 0-1 of ce and ntil; seed 2 of both run later)
     merged by ``launch/compare.py --merge``: the same summary, change and curves as one grid of all the
-    runs; a (loss, seed) in both grids, or another test split, is refused with what to do."""
+    runs, and an MLflow parent run of its own; a (loss, seed) in both grids, test items of another
+    content (whatever the path), or a test split sharing items with a training split, is refused."""
     import json
+    import shutil
+
+    from mlflow import MlflowClient
 
     import launch.compare as cli
     from ntil_ds.comparison.grid import write_outputs
+    from ntil_ds.comparison.splits import split_hash
+    from ntil_ds.data.synthetic import write_dataset
 
-    def grid(name, seeds, values, test_split="data/test.jsonl", overrides=("train.max_steps=100",)):
+    data = write_dataset("arithmetic", 20, tmp_path / "data", seed=0, difficulty="easy")
+    copy = tmp_path / "copy" / "test.jsonl"  # the same test items at another path: one comparison
+    copy.parent.mkdir()
+    shutil.copy(data["test"], copy)
+
+    def grid(name, seeds, values, test_split=data["test"], overrides=("train.max_steps=100",), hashed=True):
         out = tmp_path / name
         runs = []
         for seed in seeds:
@@ -178,15 +190,23 @@ def test_merge_reads_grids_run_apart_as_one(compare, tmp_path, capsys):
                 run.output_dir = str(folder)
                 runs.append(run)
         header = {"name": name, "command": f"compare.py --seeds {seeds}", "task": "arithmetic"}
-        header |= {"test_split": test_split, "losses": ["ce", "ntil"], "seeds": seeds, "complete": True}
-        header |= {"recipe": "r.yaml", "nproc": 1, "overrides": list(overrides)}
+        header |= {"test_split": str(test_split), "losses": ["ce", "ntil"], "seeds": seeds, "complete": True}
+        header |= {
+            "recipe": "r.yaml",
+            "nproc": 1,
+            "overrides": [f"data.train_file={data['train']}", *overrides],
+        }
+        if hashed:  # a grid written before the hash was recorded has none: hashed at merge time
+            header["test_split_sha256"] = split_hash(test_split)
         write_outputs(out, runs, ("abs_error", "parse_rate"), "ce", header, name)
         return out, runs
 
     values = {("ce", 0): 10.0, ("ce", 1): 14.0, ("ce", 2): 12.0, ("ntil", 0): 6.0, ("ntil", 1): 9.0}
     values[("ntil", 2)] = 3.0
     first, runs_first = grid("first", [0, 1], values)
-    later, runs_later = grid("later", [2], values, overrides=("train.max_steps=100", "optim.lr=1e-3"))
+    later, runs_later = grid(
+        "later", [2], values, copy, overrides=("train.max_steps=100", "optim.lr=1e-3"), hashed=False
+    )
     merged = tmp_path / "merged"
     assert cli.main(["--merge", str(first), str(later), "--out", str(merged)]) == 0
     report = json.loads((merged / "results.json").read_text())
@@ -196,22 +216,71 @@ def test_merge_reads_grids_run_apart_as_one(compare, tmp_path, capsys):
     )
     assert report["summary"]["ntil"]["abs_error"] == {"mean": 6.0, "std": 3.0, "n": 3}
     assert report["change_vs_baseline"]["ntil"] == pytest.approx(6.0 / 12.0 - 1)
+    assert report["paired"]["ntil"]["abs_error"]["paired_seeds"] == [0, 1, 2]
     assert report["curves"]["ntil"]["abs_error"] == {"50": [16.0, 19.0, 13.0]}  # every seed's curve
     assert report["seeds"] == [0, 1, 2] and report["losses"] == ["ce", "ntil"]
     assert report["recipe_differences"] == {str(later): "only it has optim.lr=1e-3"}
+    assert report["test_split_sha256"] == split_hash(data["test"])
+    # grids written before the controls were recorded: the constants are made now from their splits
+    assert report["controls"]["train_split"] == str(data["train"])
+    assert "| best constant (train median) |" in (merged / "table.md").read_text()
     table = (merged / "table.md").read_text()
     assert "| ntil | 3/3 | 6 ± 3 |" in table and "- ntil: 6 (seed 0), 9 (seed 1), 3 (seed 2)" in table
     assert f"- {first} (compare.py --seeds [0, 1])" in table and "only it has optim.lr=1e-3" in table
     assert (merged / "curves.png").read_bytes()[:4] == b"\x89PNG"
-    assert "| ntil | 3/3 |" in capsys.readouterr().out
+    output = capsys.readouterr().out
+    assert "| ntil | 3/3 |" in output and f"{later} recorded no test split hash" in output
+    client = MlflowClient(report["mlflow"]["uri"])
+    parent = client.get_run(report["mlflow"]["parent_run_id"])
+    assert parent.info.status == "FINISHED" and parent.data.metrics["ntil/abs_error_mean"] == 6.0
+    change = report["paired"]["ntil"]["abs_error"]["relative"]["change"]
+    assert parent.data.metrics["ntil/paired/abs_error_change"] == pytest.approx(change)
+    best = report["controls"]["constants"]["best constant (train median)"]["metrics"]["abs_error"]
+    assert parent.data.metrics["controls/best_constant/abs_error"] == pytest.approx(best)
 
     with pytest.raises(SystemExit, match="ce seed 2 is in both .* distinct"):
         cli.main(["--merge", str(first), str(later), str(later), "--out", str(tmp_path / "twice")])
-    other, _ = grid("other", [5], {("ce", 5): 1.0, ("ntil", 5): 1.0}, test_split="data/other.jsonl")
-    with pytest.raises(SystemExit, match="test_split is 'data/other.jsonl'.* same test split"):
+    redrawn = write_dataset("arithmetic", 20, tmp_path / "redrawn", seed=1, difficulty="easy")
+    other, _ = grid("other", [5], {("ce", 5): 1.0, ("ntil", 5): 1.0}, test_split=redrawn["test"])
+    with pytest.raises(SystemExit, match="differs in content .* same test items"):
         cli.main(["--merge", str(first), str(other), "--out", str(tmp_path / "mixed")])
+    # a larger draw with the same seed: its training split holds the smaller draw's test items
+    larger = write_dataset("arithmetic", 40, tmp_path / "larger", seed=0, difficulty="easy")
+    leaky, _ = grid("leaky", [6], {("ce", 6): 1.0, ("ntil", 6): 1.0})
+    results = json.loads((leaky / "results.json").read_text())
+    results["overrides"] = [f"data.train_file={larger['train']}"]
+    (leaky / "results.json").write_text(json.dumps(results))
+    with pytest.raises(SystemExit, match="2 of the 2 test items .* are in the training split"):
+        cli.main(["--merge", str(first), str(leaky), "--out", str(tmp_path / "leak")])
     with pytest.raises(SystemExit, match="holds no results.json"):
         cli.main(["--merge", str(tmp_path / "nowhere"), "--out", str(tmp_path / "none")])
     with pytest.raises(SystemExit):  # argparse's usage error: --merge takes folders and --out only
         cli.main(["--merge", str(first), "--config", "r.yaml", "--out", str(tmp_path / "x")])
     assert "--merge reads finished grids" in capsys.readouterr().err
+
+
+def test_the_plan_refuses_a_test_split_that_overlaps_the_training_split(tmp_path):
+    from ntil_ds.comparison.grid import plan_comparison
+    from ntil_ds.data.synthetic import write_dataset
+    from ntil_ds.jobs import REPO_ROOT
+
+    small = write_dataset("arithmetic", 20, tmp_path / "small", seed=0, difficulty="easy")
+    larger = write_dataset("arithmetic", 40, tmp_path / "larger", seed=0, difficulty="easy")
+    recipe = REPO_ROOT / "configs" / "train" / "tiny_qwen2_arithmetic.yaml"
+
+    def plan(train):
+        return plan_comparison(
+            recipe,
+            tmp_path / "out",
+            [("ce", "ce", ["loss.name=ce"])],
+            [0],
+            nproc=1,
+            overrides=[f"data.train_file={train}", f"tracking.uri=sqlite:///{tmp_path / 'm.db'}"],
+            test_split=small["test"],
+            task=None,
+            command="compare.py",
+        )
+
+    assert plan(small["train"]).test_split_sha256 == plan(small["train"]).test_split_sha256
+    with pytest.raises(SystemExit, match="test items of .* are in the training split"):
+        plan(larger["train"])

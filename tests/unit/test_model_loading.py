@@ -44,6 +44,15 @@ def test_mllm_and_llm_classes_dtype_and_attention(tiny_folders):
     assert llm.model.is_activation_checkpointing and llm.model.config.use_cache is False
 
 
+def test_random_weights_are_created_on_the_training_device(tiny_folders):
+    """Not built on the CPU and moved (a 2B model's CPU init took tens of seconds per GPU job): created
+    where they train. The meta device stands in for a GPU here: nothing on it can come from the CPU."""
+    on_device = load_model(model_cfg(tiny_folders["qwen2_vl"]), device=torch.device("meta")).model
+    assert {p.device.type for p in on_device.parameters()} == {"meta"}
+    on_cpu = load_model(model_cfg(tiny_folders["qwen2_vl"]), device=torch.device("cpu")).model
+    assert {p.device.type for p in on_cpu.parameters()} == {"cpu"}
+
+
 def test_attention_choice_without_flash_attn():
     assert resolve_attn_implementation("eager") == "eager"
     if not torch.cuda.is_available():

@@ -1,0 +1,253 @@
+"""`CachedConversationDataset`: `ConversationDataset`'s samples from the data cache (ntil_ds/data/cache.py).
+
+The first start checks and encodes the file exactly as `ConversationDataset` does (the same
+`checked_samples`: the same lines kept, cut and skipped, the same report) and writes the arrays; every
+later start, and every other rank, maps them: no line is read, parsed or tokenized again. `dataset[i]`
+returns exactly what `ConversationDataset(...)[i]` returns (tests/unit/test_data_cache.py compares every
+field of every sample). Images stay lazy: the cache holds their paths, `__getitem__` loads and processes
+them as before. `conversations` reads a sample's line again only when it is asked for (evaluation
+takes a few).
+
+`load_dataset` is what the trainer calls: with several ranks, the main rank builds (or finds) the cache
+and the others wait on its lock, then map it.
+"""
+
+from __future__ import annotations
+
+import array
+import logging
+from collections import Counter
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+
+from ntil_ds.data.cache import (
+    ARRAYS,
+    TEXT_ARRAYS,
+    CacheArrays,
+    CacheWriter,
+    cache_key,
+    cache_root,
+    check,
+    file_digest,
+    locked,
+    remove_leftovers,
+    slot_name,
+)
+from ntil_ds.data.dataset import (
+    ConversationDataset,
+    DataReport,
+    check_settings,
+    checked_samples,
+    finish_report,
+    processor_outputs,
+)
+from ntil_ds.data.encoding import aligned_targets
+from ntil_ds.data.processor import is_multimodal
+from ntil_ds.data.records import DataError, read_conversation_at, read_jsonl_indexed
+
+log = logging.getLogger(__name__)
+
+
+class CachedConversationDataset(torch.utils.data.Dataset):
+    """`ConversationDataset` over mapped arrays. `cache_status` says what happened: "built", "reused",
+    or "rebuilt because ..." (also logged). `on_locked`: called once this process holds the exclusive
+    build lock (then taken at once, without a reader's look first)."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        processor,
+        max_seq_len: int = 2048,
+        on_bad_sample: Literal["error", "skip"] = "error",
+        *,
+        cache_dir: str | Path | None = None,
+        output_dir: str | Path | None = None,
+        show_progress: bool = False,
+        on_locked: Callable[[], None] | None = None,
+    ):
+        check_settings(max_seq_len, on_bad_sample)
+        self.path, self.processor, self.max_seq_len = Path(path), processor, max_seq_len
+        if not self.path.is_file():
+            raise DataError(
+                f"{self.path}: data file not found (give a JSONL file, one conversation per line)"
+            )
+        self.multimodal = is_multimodal(processor)
+        digest, line_count = file_digest(self.path)
+        key = {"data_path": str(self.path), **cache_key(digest, processor, max_seq_len, on_bad_sample)}
+        root = cache_root(self.path, cache_dir, output_dir)
+        slot = slot_name(self.path, processor, max_seq_len, on_bad_sample)
+        folder = root / slot
+        arrays = None
+        if on_locked is None:  # a reader first: a valid cache needs no exclusive lock
+            with locked(root, slot, exclusive=False):
+                arrays, _ = check(folder, key)
+        self.cache_status = "reused"
+        if arrays is None:
+            with locked(root, slot, exclusive=True):  # one builder; the others wait here, then reuse
+                if on_locked is not None:
+                    on_locked()
+                arrays, why = check(folder, key)
+                if arrays is None:
+                    self.cache_status = "built" if why == "missing" else f"rebuilt because {why}"
+                    remove_leftovers(folder)
+                    self._build(folder, key, on_bad_sample, line_count, show_progress)
+                    arrays, why = check(folder, key)
+                    if arrays is None:
+                        raise RuntimeError(f"{folder}: the cache just written does not check ({why})")
+        log.info("data cache %s: %s", folder, self.cache_status)
+        self.cache: CacheArrays = arrays
+        saved = arrays.manifest["report"]
+        self.report = DataReport(
+            str(self.path), saved["kept"], saved["truncated"], Counter(saved["skipped"]), saved["examples"]
+        )
+        finish_report(self.report)
+        self.conversations = LazyConversations(self.path, arrays["lines"], arrays["line_offsets"])
+
+    def _build(
+        self, folder: Path, key: dict, on_bad_sample: str, line_count: int, show_progress: bool
+    ) -> None:
+        report = DataReport(str(self.path))
+        per_sample = {name: array.array("q") for name in ("lines", "line_offsets")}
+        ends = {name: array.array("q", [0]) for name in ("offsets", "text_offsets", "images_offsets")}
+        names = ARRAYS | (TEXT_ARRAYS if self.multimodal else {})
+        samples = checked_samples(
+            read_jsonl_indexed(self.path),
+            self.processor,
+            self.max_seq_len,
+            on_bad_sample,
+            report,
+            show_progress,
+            total=line_count,
+        )
+        with CacheWriter(folder, names) as writer:
+            for number, offset, conversation, encoded in samples:
+                per_sample["lines"].append(number)
+                per_sample["line_offsets"].append(offset)
+                writer.append("input_ids", encoded.input_ids)  # int32: every vocabulary is far below 2**31
+                writer.append("targets", aligned_targets(encoded.labels))
+                ends["offsets"].append(ends["offsets"][-1] + len(encoded.input_ids))
+                if self.multimodal:
+                    text = encoded.text.encode("utf-8")
+                    images = "\0".join(str(p) for p in conversation.images).encode("utf-8")
+                    writer.append("text", text)
+                    writer.append("images", images)
+                    ends["text_offsets"].append(ends["text_offsets"][-1] + len(text))
+                    ends["images_offsets"].append(ends["images_offsets"][-1] + len(images))
+            for name, values in {**per_sample, **ends}.items():
+                if name in names:
+                    writer.append(name, values.tobytes())
+            saved = {"kept": report.kept, "truncated": report.truncated, "skipped": dict(report.skipped)}
+            writer.commit(
+                {
+                    "key": key,
+                    "num_samples": report.kept,
+                    "multimodal": self.multimodal,
+                    "report": {**saved, "examples": report.examples},
+                }
+            )
+
+    def __len__(self) -> int:
+        return len(self.cache["lines"])
+
+    def num_tokens(self, index: int) -> int:
+        """Tokens of sample `index` (image placeholders expanded), from the cached offsets."""
+        offsets = self.cache["offsets"]
+        return int(offsets[index + 1] - offsets[index])
+
+    def lengths(self) -> np.ndarray:
+        """Every sample's token count (what packing is planned from), without reading a sample."""
+        return np.diff(self.cache["offsets"])
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        index = range(len(self))[index]  # negative indices as a list's; out of range: IndexError
+        start, end = (int(x) for x in self.cache["offsets"][index : index + 2])
+        # int64 copies: what ConversationDataset returns (and writable, which torch expects)
+        input_ids = torch.from_numpy(self.cache["input_ids"][start:end].astype(np.int64))
+        targets = torch.from_numpy(self.cache["targets"][start:end].astype(np.int64))
+        if not self.multimodal:
+            return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "targets": targets}
+        text = self._string("text", index)
+        images = [Path(p) for p in self._string("images", index).split("\0") if p]
+        source = f"{self.path}:{int(self.cache['lines'][index])}"
+        return {**processor_outputs(self.processor, images, source, text, input_ids), "targets": targets}
+
+    def _string(self, name: str, index: int) -> str:
+        start, end = (int(x) for x in self.cache[f"{name}_offsets"][index : index + 2])
+        return self.cache[name][start:end].tobytes().decode("utf-8")
+
+
+class LazyConversations(Sequence):
+    """The kept samples' conversations, each read again from its line when asked for (images checked)."""
+
+    def __init__(self, path: Path, lines: np.ndarray, line_offsets: np.ndarray) -> None:
+        self.path, self.lines, self.line_offsets = path, lines, line_offsets
+
+    def __len__(self) -> int:
+        return len(self.lines)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        index = range(len(self))[index]
+        return read_conversation_at(self.path, int(self.line_offsets[index]), int(self.lines[index]))
+
+
+# What load_dataset returns: the cached dataset, or the plain one with data.cache=false.
+AnyConversationDataset = ConversationDataset | CachedConversationDataset
+
+
+def load_dataset(
+    path: str | Path,
+    processor,
+    max_seq_len: int,
+    on_bad_sample: Literal["error", "skip"],
+    *,
+    cache: bool = True,
+    cache_dir: str | Path | None = None,
+    output_dir: str | Path | None = None,
+    is_main: bool = True,
+    barrier: Callable[[], None] | None = None,
+) -> AnyConversationDataset:
+    """The dataset of one data file on this rank; progress on the main rank only.
+
+    `cache=False`: every rank reads and encodes the file (`ConversationDataset`, as before the cache).
+    Otherwise, with several ranks (`barrier`: a collective every rank calls once), the main rank takes
+    the cache's build lock first and only then lets the others past the barrier: they wait on that lock,
+    not in a collective (whose timeout a long first build would pass), then map what it wrote. Where the
+    cache folder is on each node's own disk, the first rank of each other node to get its lock builds it.
+    """
+    if not cache:
+        return ConversationDataset(path, processor, max_seq_len, on_bad_sample, show_progress=is_main)
+
+    def open_cache(show: bool, on_locked=None) -> CachedConversationDataset:
+        return CachedConversationDataset(
+            path,
+            processor,
+            max_seq_len,
+            on_bad_sample,
+            cache_dir=cache_dir,
+            output_dir=output_dir,
+            show_progress=show,
+            on_locked=on_locked,
+        )
+
+    if barrier is None:
+        return open_cache(is_main)
+    if not is_main:
+        barrier()  # past it, the main rank holds the lock (or has failed: then this rank finds out itself)
+        return open_cache(False)
+    released = []
+
+    def release() -> None:
+        if not released:
+            released.append(True)
+            barrier()
+
+    try:
+        return open_cache(True, on_locked=release)
+    finally:
+        release()  # a failure before the lock was taken must not leave the others in the barrier

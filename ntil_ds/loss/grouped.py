@@ -1,0 +1,95 @@
+"""NTIL for tokenizers that write 1-3 digits per token (LLaMA-3 / 4, GLM-4.xV, ...): `GroupedNTILLoss`.
+
+The loss of docs/design/ntil_spec.md "Grouped digits" on the same two stages as `NTILLoss`: stage 1
+(`vocab_stats.position_stats`: full or vocabulary-parallel logits, the torch tiles or the Triton vocabulary
+kernels, the labelled head) gathers the number token table's columns (up to 1,110) instead of ten, and
+stage 2 is `grouped_terms.grouped_number_terms` (torch). With the table {1: digit ids} it is `NTILLoss`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ntil_ds.loss.grouped_terms import NumberTokenTable, grouped_number_terms
+from ntil_ds.loss.ntil import NTILLoss
+
+# The Triton vocabulary kernels hold the gathered columns as one vector of next_power_of_2(K) lanes and their
+# backward forms a [lanes, lanes] same-id matrix: at K = 1,110 (widths 1-3) that is 2048**2 = 4M elements,
+# over Triton's 2**20 tensor limit (and far too many registers on a GPU). Up to 1,024 columns they run.
+KERNEL_MAX_COLUMNS = 1024
+
+
+class GroupedNTILLoss(NTILLoss):
+    """`NTILLoss` reading numbers through a number token table (`NumberTokenTable` or a dict width -> the
+    10**width ids of the values of that width, zero-padded spellings); every other argument is NTILLoss's.
+
+    `number_stage`: the grouped number stage is written in torch only (no Triton number kernels yet), so
+    "auto" runs it eagerly on every device, "compile" through torch.compile, and "triton" is refused. The
+    vocabulary stage (`kernel`) is NTILLoss's, except that the Triton vocabulary kernels take at most
+    `KERNEL_MAX_COLUMNS` gathered columns: a table with 3-digit tokens (1,110 columns) makes kernel="auto" run
+    the torch tiles on every device (`kernel_note` says so) and kernel="triton" an error; with widths 1-2
+    (110 columns) "auto" is NTILLoss's choice.
+    """
+
+    def __init__(self, number_token_table, **kwargs) -> None:
+        table = NumberTokenTable.of(number_token_table)
+        if kwargs.get("number_stage") == "triton":
+            raise ValueError(
+                "GroupedNTILLoss: number_stage='triton' is not available for grouped digits (the Triton number "
+                "kernels read ten digit columns); use number_stage='auto', 'eager' or 'compile'."
+            )
+        columns = len(table.column_ids) + int(bool(kwargs.get("signed_numbers")))
+        self.kernel_note = ""
+        if columns > KERNEL_MAX_COLUMNS:
+            if kwargs.get("kernel") == "triton":
+                raise ValueError(
+                    f"GroupedNTILLoss: kernel='triton' takes at most {KERNEL_MAX_COLUMNS} gathered columns, this "
+                    f"table has {columns} (widths {table.widths}); use kernel='auto' or 'torch'."
+                )
+            kwargs["kernel"] = "torch"
+            self.kernel_note = (
+                f"kernel='auto' runs the torch tiles: the Triton vocabulary kernels take at most "
+                f"{KERNEL_MAX_COLUMNS} gathered columns and this table has {columns} (widths {table.widths})."
+            )
+        super().__init__(list(table.ids[1]), **kwargs)
+        numbers = set(table.column_ids)
+        for name in ("decimal_point_id", "minus_sign_id"):
+            if getattr(self, name) is not None and getattr(self, name) in numbers:
+                raise ValueError(f"{name}={getattr(self, name)} is a number token of the table.")
+        self.number_token_table = table
+        # Columns gathered per position: the table's, width by width, then the minus sign in signed mode.
+        self._column_ids = table.column_ids + ([self.minus_sign_id] if self.minus_sign_id is not None else [])
+        self._number_ids: dict[torch.device, torch.Tensor] = {}
+
+    def __repr__(self) -> str:
+        return f"Grouped{super().__repr__()[:-1]}, widths={self.number_token_table.widths})"
+
+    def position_targets_and_noise(self, labels, dtype, generator):
+        """As NTILLoss's, with noise `[B*T, 2 * 10**max_width]` (REL's sample, then MAG's); `[B*T, 20]`, drawn
+        identically, when the table has width 1 only."""
+        labels = labels.long()
+        labelled = labels != self.ignore_index
+        targets = torch.where(labelled, torch.where(labels < 0, torch.iinfo(torch.long).max, labels), -1)
+        noise = None
+        if self.uses_gumbel and self.gumbel_noise_scale > 0:
+            exponential = torch.empty(
+                labels.numel(), 2 * self.number_token_table.noise_half, dtype=dtype, device=labels.device
+            )
+            exponential.exponential_(generator=generator)
+            noise = -exponential.log() * self.gumbel_noise_scale
+        return targets.flatten(), noise
+
+    def number_stage_for(self, columns: torch.Tensor) -> str:
+        return "compile" if self.number_stage == "compile" else "eager"
+
+    def _number_terms(self, labels, columns, row_max, noise, unpack_index):
+        _, column_ids, place_values, _ = self._device_constants(columns.device)
+        number_ids = column_ids[: len(self.number_token_table.column_ids)]
+        run = functools.partial(grouped_number_terms, self._params, self.number_token_table)
+        if self.number_stage == "compile":
+            if self._compiled_number_stage is None:  # once per instance; dynamic shapes
+                self._compiled_number_stage = torch.compile(run, dynamic=True)
+            run = self._compiled_number_stage
+        return run(labels, columns, row_max, noise, unpack_index, number_ids, place_values)

@@ -1,0 +1,373 @@
+"""The data cache (ntil_ds/data/cache.py, cached_dataset.py): the same samples as the uncached dataset,
+and the rules that make a cache valid: data content, processor files, a concurrent build, a torn file."""
+
+import fcntl
+import hashlib
+import json
+import logging
+import multiprocessing
+import os
+import pickle
+import re
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from ntil_ds.data import (
+    BadSample,
+    ConversationDataset,
+    DataError,
+    ResumableDistributedSampler,
+    load_processor,
+)
+from ntil_ds.data import cache as cache_module
+from ntil_ds.data.cache import CACHE_FOLDER, MANIFEST, slot_name
+from ntil_ds.data.cached_dataset import CachedConversationDataset, load_dataset
+from ntil_ds.data.steps import StepBatches
+from ntil_ds.tiny import build_tiny_model_folder
+
+KINDS = ("qwen2", "qwen2_vl", "gemma3")  # text-only; image tokens only; text around the image tokens
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    return {kind: build_tiny_model_folder(kind, root / kind) for kind in KINDS}
+
+
+@pytest.fixture(scope="module")
+def processors(folders):
+    return {kind: load_processor(folder) for kind, folder in folders.items()}
+
+
+def _turns(question, answer, images=()):
+    user = [*({"type": "image", "image": i} for i in images), {"type": "text", "text": question}]
+    return [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
+
+
+def _text_rows(n):
+    """Arithmetic lines with every kind of line the checks treat: ShareGPT, multi-turn, a long one that
+    is cut, one too long to keep, bad lines of each kind, a blank line, non-ASCII text."""
+    rows = []
+    for i in range(n):
+        rows.append({"messages": _turns(f"What is {i} + {2 * i}? ü", str(3 * i))})
+        if i % 7 == 3:
+            rows.append(
+                {
+                    "conversations": [
+                        {"from": "human", "value": f"{i}*2?"},
+                        {"from": "gpt", "value": str(2 * i)},
+                    ]
+                }
+            )
+        if i % 11 == 5:
+            system = {"role": "system", "content": "Answer with digits."}
+            rows.append({"messages": [system, *_turns("1+1?", "2"), *_turns("2+2?", "4")]})
+    rows += [
+        {
+            "messages": [*_turns("short?", "1"), *_turns("word " * 200 + "?", "2")]
+        },  # cut: the second answer goes
+        {"messages": _turns("word " * 300 + "?", "7")},  # too long, nothing left: skipped
+        "not json",
+        {"messages": [{"role": "user", "content": "no answer"}]},
+        {"messages": _turns("empty?", " ")},
+        "",
+        {"rows": []},
+    ]
+    return rows
+
+
+def _image_rows(folder, n):
+    folder.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", (64, 48), (200, 20, 20)).save(folder / "red.png")
+    Image.new("RGB", (100, 60), (20, 20, 200)).save(folder / "blue.png")
+    (folder / "broken.png").write_bytes(b"\x89PNG not an image")
+    rows = []
+    for i in range(n):
+        images = [["red.png"], ["blue.png"], ["red.png", "blue.png"], []][i % 4]
+        rows.append({"messages": _turns(f"How many? {i}", str(i), images)})
+    rows.append(
+        {
+            "conversations": [
+                {"from": "human", "value": "<image>\nTime?"},
+                {"from": "gpt", "value": "10:42"},
+            ],
+            "image": "blue.png",
+        }
+    )
+    rows += [
+        {"messages": _turns("gone?", "1", ["missing.png"])},
+        {"messages": _turns("broken?", "1", ["broken.png"])},
+    ]
+    return rows
+
+
+def _write(path, rows):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(
+        "".join((r if isinstance(r, str) else json.dumps(r, ensure_ascii=False)) + "\n" for r in rows)
+    )
+    return path
+
+
+def _assert_same_samples(cached, plain):
+    assert len(cached) == len(plain) > 0
+    assert cached.report.summary() == plain.report.summary()
+    assert cached.report.examples == plain.report.examples
+    assert list(cached.lengths()) == [plain.num_tokens(i) for i in range(len(plain))]
+    for i in range(len(plain)):
+        got, want = cached[i], plain[i]
+        assert got.keys() == want.keys(), i
+        for key in want:
+            assert got[key].dtype == want[key].dtype and torch.equal(got[key], want[key]), (i, key)
+        assert cached.num_tokens(i) == plain.num_tokens(i)
+        assert cached.conversations[i] == plain.conversations[i]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_cached_samples_equal_uncached_field_by_field(tmp_path, processors, kind):
+    processor = processors[kind]
+    rows = _text_rows(40) if kind == "qwen2" else _image_rows(tmp_path / "data", 12)
+    path = _write(tmp_path / "data" / "train.jsonl", rows)
+    plain = ConversationDataset(path, processor, max_seq_len=128, on_bad_sample="skip")
+    assert plain.report.num_skipped and (kind != "qwen2" or plain.report.truncated)  # the set tests them
+    built = CachedConversationDataset(path, processor, max_seq_len=128, on_bad_sample="skip")
+    assert built.cache_status == "built"
+    _assert_same_samples(built, plain)
+    reused = CachedConversationDataset(path, processor, max_seq_len=128, on_bad_sample="skip")
+    assert reused.cache_status == "reused"
+    _assert_same_samples(reused, plain)
+    assert (tmp_path / "data" / CACHE_FOLDER).is_dir()  # default: beside the data file
+    assert reused.conversations[-2:] == plain.conversations[-2:] and reused[-1].keys() == plain[-1].keys()
+
+
+def test_skip_report_from_the_cache_is_the_same_and_logged(tmp_path, processors, caplog):
+    path = _write(tmp_path / "train.jsonl", _text_rows(5))
+    plain = ConversationDataset(path, processors["qwen2"], max_seq_len=128, on_bad_sample="skip")
+    CachedConversationDataset(path, processors["qwen2"], max_seq_len=128, on_bad_sample="skip")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        reused = CachedConversationDataset(path, processors["qwen2"], max_seq_len=128, on_bad_sample="skip")
+    assert reused.cache_status == "reused"
+    assert (
+        dict(reused.report.skipped)
+        == dict(plain.report.skipped)
+        == {
+            "bad_schema": 1,
+            "empty_answer": 1,
+            "malformed_json": 1,
+            "no_assistant_turn": 1,
+            "too_long": 1,
+        }
+    )
+    assert (reused.report.kept, reused.report.truncated) == (plain.report.kept, plain.report.truncated)
+    assert plain.report.summary() in caplog.text  # the warning of a reused cache, as of a fresh read
+
+
+def test_a_bad_line_with_on_bad_sample_error_leaves_no_cache(tmp_path, processors):
+    path = _write(tmp_path / "train.jsonl", [{"messages": _turns("1+1?", "2")}, "not json"])
+    with pytest.raises(BadSample, match=r"train.jsonl:2: not valid JSON.*on_bad_sample=skip"):
+        CachedConversationDataset(path, processors["qwen2"], max_seq_len=128)
+    assert [p.name for p in (tmp_path / CACHE_FOLDER).iterdir() if not p.name.endswith(".lock")] == []
+
+
+def test_data_changed_at_the_same_size_and_mtime_is_rebuilt(tmp_path, processors, caplog):
+    path = _write(tmp_path / "train.jsonl", _text_rows(20))
+    first = CachedConversationDataset(path, processors["qwen2"], max_seq_len=128, on_bad_sample="skip")
+    stat = path.stat()
+    changed = path.read_text().replace('"content": "57"', '"content": "58"', 1)  # 19 + 38: one digit
+    assert changed != path.read_text()
+    path.write_text(changed)
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert (path.stat().st_size, path.stat().st_mtime_ns) == (stat.st_size, stat.st_mtime_ns)
+    with caplog.at_level(logging.INFO):
+        second = CachedConversationDataset(path, processors["qwen2"], max_seq_len=128, on_bad_sample="skip")
+    assert second.cache_status.startswith("rebuilt because it was built for other inputs: data_sha256")
+    assert second.cache_status in caplog.text
+    plain = ConversationDataset(path, processors["qwen2"], max_seq_len=128, on_bad_sample="skip")
+    _assert_same_samples(second, plain)
+    assert any(not torch.equal(first[i]["input_ids"], plain[i]["input_ids"]) for i in range(len(plain)))
+
+
+def test_a_changed_tokenizer_file_is_rebuilt(tmp_path, folders):
+    folder = shutil.copytree(folders["qwen2"], tmp_path / "model")
+    path = _write(tmp_path / "train.jsonl", _text_rows(5))
+    CachedConversationDataset(path, load_processor(folder), max_seq_len=128, on_bad_sample="skip")
+    # A new special token (added_tokens in tokenizer.json): the template and the config files stay as
+    # they were, and a line that holds the token's text now encodes differently.
+    tokenizer_file = folder / "tokenizer.json"
+    spec = json.loads(tokenizer_file.read_text())
+    new_id = len(load_processor(folder))
+    spec["added_tokens"].append(
+        {"id": new_id, "content": "What is", "single_word": False, "lstrip": False, "rstrip": False,
+         "normalized": False, "special": True}
+    )  # fmt: skip
+    tokenizer_file.write_text(json.dumps(spec))
+    processor = load_processor(folder)
+    assert processor.convert_tokens_to_ids("What is") == new_id
+    rebuilt = CachedConversationDataset(path, processor, max_seq_len=128, on_bad_sample="skip")
+    assert rebuilt.cache_status.startswith("rebuilt because it was built for other inputs: processor_sha256")
+    _assert_same_samples(rebuilt, ConversationDataset(path, processor, max_seq_len=128, on_bad_sample="skip"))
+
+
+def _cache_files(folder):
+    return {p.name for p in folder.iterdir()}
+
+
+@pytest.mark.parametrize(
+    "tear, reason",
+    [
+        (lambda f: _truncate(f / "targets.bin"), r"targets.bin is \d+ bytes, not \d+"),
+        (lambda f: (f / "input_ids.bin").unlink(), "input_ids.bin is missing"),
+        (lambda f: (f / MANIFEST).write_text('{"key": '), "its manifest is unreadable"),
+    ],
+    ids=["truncated", "missing", "manifest"],
+)
+def test_a_torn_cache_is_rebuilt_and_the_log_says_why(tmp_path, processors, caplog, tear, reason):
+    path = _write(tmp_path / "train.jsonl", _text_rows(10))
+    plain = ConversationDataset(path, processors["qwen2"], max_seq_len=128, on_bad_sample="skip")
+    first = CachedConversationDataset(path, processors["qwen2"], max_seq_len=128, on_bad_sample="skip")
+    tear(first.cache.folder)
+    with caplog.at_level(logging.INFO):
+        again = CachedConversationDataset(path, processors["qwen2"], max_seq_len=128, on_bad_sample="skip")
+    assert again.cache_status.startswith("rebuilt because ")
+    assert re.search(reason, again.cache_status) and again.cache_status in caplog.text
+    _assert_same_samples(again, plain)
+    leftovers = [p.name for p in first.cache.folder.parent.iterdir() if p.name.startswith(".")]
+    assert leftovers == [], leftovers
+
+
+def _truncate(file):
+    with file.open("r+b") as handle:
+        handle.truncate(file.stat().st_size - 4)
+
+
+def _open_in_child(folder, path, cache_dir, start, results):
+    try:
+        processor = load_processor(folder)
+        start.wait()  # both children check the cache at the same moment: neither finds one
+        dataset = CachedConversationDataset(path, processor, 128, "skip", cache_dir=cache_dir)
+        digest = hashlib.sha256()
+        for name in sorted(dataset.cache.arrays):
+            digest.update(np.ascontiguousarray(dataset.cache[name]).tobytes())
+        results.put((dataset.cache_status, digest.hexdigest(), len(dataset)))
+    except BaseException as error:  # reported, so the test fails with it rather than waiting
+        results.put((f"failed: {error!r}", "", 0))
+        raise
+
+
+def test_a_concurrent_build_builds_once_and_both_map_the_same_complete_cache(tmp_path, folders):
+    path = _write(tmp_path / "train.jsonl", _text_rows(300))  # long enough for two builds to overlap
+    context = multiprocessing.get_context("spawn")
+    start, results = context.Barrier(2), context.Queue()
+    args = (folders["qwen2"], path, tmp_path / "cache", start, results)
+    children = [context.Process(target=_open_in_child, args=args) for _ in range(2)]
+    for child in children:
+        child.start()
+    got = [results.get(timeout=120) for _ in children]
+    for child in children:
+        child.join(timeout=60)
+        assert child.exitcode == 0
+    statuses = sorted(status for status, _, _ in got)
+    assert statuses == ["built", "reused"], statuses  # without the lock: both build
+    assert got[0][1:] == got[1][1:]
+    plain = ConversationDataset(path, load_processor(folders["qwen2"]), max_seq_len=128, on_bad_sample="skip")
+    assert got[0][2] == len(plain)
+    folders_left = [p.name for p in (tmp_path / "cache").iterdir() if p.is_dir()]
+    assert len(folders_left) == 1 and not folders_left[0].startswith("."), folders_left
+
+
+def test_a_read_only_data_folder_falls_back_to_output_dir(tmp_path, processors):
+    path = _write(tmp_path / "data" / "train.jsonl", _text_rows(3))
+    # (tests run as root, whom chmod does not stop: a file where the cache folder would go fails the same way)
+    (tmp_path / "data" / CACHE_FOLDER).write_text("")
+    dataset = CachedConversationDataset(path, processors["qwen2"], 128, "skip", output_dir=tmp_path / "run")
+    assert dataset.cache.folder.parent == tmp_path / "run" / CACHE_FOLDER
+
+
+def test_load_dataset_without_cache_is_todays_dataset(tmp_path, processors):
+    path = _write(tmp_path / "train.jsonl", _text_rows(3))
+    assert type(load_dataset(path, processors["qwen2"], 128, "skip", cache=False)) is ConversationDataset
+    cached = load_dataset(path, processors["qwen2"], 128, "skip", cache_dir=tmp_path / "c")
+    assert isinstance(cached, CachedConversationDataset)
+
+
+def test_ranks_meet_once_with_the_main_rank_holding_the_lock(tmp_path, processors):
+    """The main rank enters the barrier holding the build lock (the others then wait on the lock, not in
+    a collective); it enters it exactly once, also when the data is bad."""
+    path = _write(tmp_path / "train.jsonl", _text_rows(3))
+    lock = tmp_path / "c" / f"{slot_name(path, processors['qwen2'], 128, 'skip')}.lock"
+    held = []
+
+    def barrier():
+        with lock.open("a+b") as file:
+            try:
+                fcntl.flock(file, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                held.append(False)
+            except BlockingIOError:
+                held.append(True)
+
+    main = load_dataset(path, processors["qwen2"], 128, "skip", cache_dir=tmp_path / "c", barrier=barrier)
+    assert held == [True] and main.cache_status == "built"
+    other = load_dataset(
+        path, processors["qwen2"], 128, "skip", cache_dir=tmp_path / "c", barrier=barrier, is_main=False
+    )
+    assert held == [True, False] and other.cache_status == "reused"
+    calls = []
+    with pytest.raises(DataError, match="data file not found"):  # before any lock
+        load_dataset(
+            tmp_path / "nope.jsonl", processors["qwen2"], 128, "skip", barrier=lambda: calls.append(1)
+        )
+    bad = _write(tmp_path / "bad.jsonl", ["not json"])
+    with pytest.raises(BadSample):  # while building
+        load_dataset(bad, processors["qwen2"], 128, "error", barrier=lambda: calls.append(1))
+    assert calls == [1, 1]
+
+
+def test_the_mapped_arrays_pickle_as_their_folder(tmp_path, processors):
+    """Loader workers started by spawn get the dataset pickled: the folder travels, not the arrays."""
+    path = _write(tmp_path / "train.jsonl", _text_rows(30))
+    dataset = CachedConversationDataset(path, processors["qwen2"], 128, "skip")
+    blob = pickle.dumps(dataset.cache)
+    assert len(blob) < 4096 < dataset.cache["input_ids"].nbytes
+    again = pickle.loads(blob)
+    assert all(np.array_equal(again[name], dataset.cache[name]) for name in dataset.cache.arrays)
+
+
+def test_the_main_rank_sees_the_encoding_progress_with_time_left(tmp_path, processors, capsys):
+    path = _write(tmp_path / "train.jsonl", _text_rows(30))
+    capsys.readouterr()
+    load_dataset(path, processors["qwen2"], 128, "skip", cache_dir=tmp_path / "c", is_main=True)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err and all(line.startswith("encoding train.jsonl") for line in err)  # whole lines: no redraws
+    assert "<00:00" in err[-1] and "line/s" in err[-1]
+    load_dataset(path, processors["qwen2"], 128, "skip", cache_dir=tmp_path / "c", is_main=False)
+    assert capsys.readouterr().err == ""  # other ranks, and a reused cache, show nothing
+
+
+def test_packing_plans_the_same_steps_from_the_cached_lengths(tmp_path, processors):
+    path = _write(tmp_path / "train.jsonl", _text_rows(40))
+    plain = ConversationDataset(path, processors["qwen2"], max_seq_len=128, on_bad_sample="skip")
+    cached = CachedConversationDataset(path, processors["qwen2"], max_seq_len=128, on_bad_sample="skip")
+
+    def plans(dataset, rank):
+        sampler = ResumableDistributedSampler(len(dataset), dp_rank=rank, dp_size=2, seed=3)
+        steps = StepBatches(dataset, sampler, list, samples_per_rank=6, micro_batch_size=1, max_tokens=128)
+        return [steps.step_groups(k) for k in range(8)]  # 8 steps x 12 samples: past an epoch
+
+    for rank in (0, 1):
+        assert plans(cached, rank) == plans(plain, rank)
+
+
+def test_a_new_encoding_version_or_other_settings_never_reuse_a_cache(tmp_path, processors, monkeypatch):
+    path = _write(tmp_path / "train.jsonl", _text_rows(5))
+    first = CachedConversationDataset(path, processors["qwen2"], 128, "skip")
+    other_length = CachedConversationDataset(path, processors["qwen2"], 64, "skip")
+    assert other_length.cache_status == "built" and other_length.cache.folder != first.cache.folder
+    assert CachedConversationDataset(path, processors["qwen2"], 128, "skip").cache_status == "reused"
+    monkeypatch.setattr(cache_module, "ENCODING_VERSION", cache_module.ENCODING_VERSION + 1)
+    bumped = CachedConversationDataset(path, processors["qwen2"], 128, "skip")
+    assert bumped.cache_status.startswith("rebuilt because it was built for other inputs: encoding_version")
