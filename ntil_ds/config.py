@@ -47,6 +47,9 @@ class ModelConfig:
     # Fused kernels patched in at load time (ntil_ds/model/kernels.py): "liger" = Liger-Kernel's RMSNorm,
     # SwiGLU MLP and rotary embedding for the model kinds it supports (needs the gpu extra: liger-kernel).
     kernels: Literal["none", "liger"] = "none"
+    # Mixture of experts: the router's load-balancing loss coefficient (ntil_ds/moe.py); unset: the
+    # checkpoint's own router_aux_loss_coef (Qwen3-VL-MoE: 0.001); 0 logs the loss without training it.
+    router_aux_loss_coef: float | None = None
 
 
 @dataclass

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.utils import groups as deepspeed_groups
+from deepspeed.utils import set_z3_leaf_modules
 
 from ntil_ds.config import Config, ConfigError
 from ntil_ds.dist import (
@@ -32,6 +33,7 @@ from ntil_ds.dist import (
     make_peer_check_group,
 )
 from ntil_ds.ds_config import optimizer_build_problem
+from ntil_ds.model.parts import expert_modules, num_experts
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +117,31 @@ def peak_memory_mib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # Linux reports KiB
 
 
+def set_expert_leaf_modules(model: torch.nn.Module) -> list[type]:
+    """Under ZeRO-3, mark a mixture-of-experts model's expert modules as DeepSpeed leaf modules (their
+    parameters gathered whole when the module is entered, no hooks below it), so ranks whose tokens route
+    to different experts issue the same gathers; the classes marked (none for a dense model).
+
+    The classes come from the loaded model itself (:func:`~ntil_ds.model.parts.expert_modules`), not
+    from a hand list per architecture: DeepSpeed's own ``leaf_module`` defaults cover a few text models
+    only and a list that matches nothing only logs a warning. A model whose config has experts but none
+    was found is refused here, at start.
+    """
+    modules = expert_modules(model)
+    if num_experts(model.config) and not modules:
+        raise ConfigError(
+            f"{type(model).__name__} is a mixture of experts ({num_experts(model.config)} experts) but no "
+            "module holds 3-D expert weights [num_experts, out, in]: its experts cannot be made ZeRO-3 "
+            "leaf modules, and ranks routing to different experts could hang; train it with ZeRO-2 "
+            "(deepspeed=configs/deepspeed/zero2.json)"
+        )
+    classes = sorted({type(m) for m in modules}, key=lambda c: c.__qualname__)
+    if classes:
+        set_z3_leaf_modules(model, classes)
+        logger.info("ZeRO-3 leaf modules: %s", ", ".join(c.__qualname__ for c in classes))
+    return classes
+
+
 # ----------------------------------------------------------------------------------------------------
 # The engine
 
@@ -169,6 +196,8 @@ class TrainingEngine:
             )
 
         check_optimizer_build(ds_config)  # the trainer checks before building the model; others here
+        if ds_config.get("zero_optimization", {}).get("stage") == 3:
+            set_expert_leaf_modules(model)
         self.engine, _, _, _ = deepspeed.initialize(
             model=model,
             model_parameters=trainable,

@@ -59,7 +59,7 @@ from ntil_ds.loss.tokenizer import DIGITS
 from ntil_ds.model.known_configs import KNOWN_CONFIGS
 from ntil_ds.model.loading import freeze_parts
 from ntil_ds.model.lora import apply_lora
-from ntil_ds.model.parts import auto_model_class
+from ntil_ds.model.parts import auto_model_class, num_experts
 from ntil_ds.model.quantize import is_quantized_linear
 
 GIB = 2**30
@@ -68,6 +68,9 @@ FRAGMENTATION = 0.10
 NTIL_PEAK_OVER_LOGITS = 1.0  # measured (2386 / 2374 MiB), see the module docstring
 # bytes per token per layer in bf16 (measured; see the module docstring)
 _ACT_PER_HIDDEN, _ACT_PER_KV, _ACT_PER_MLP = 20, 4, 8
+# a MoE layer's MLP instead (bf16, measured on Qwen3-MoE blocks): per active expert's width, per active
+# expert's copy of the hidden state, per router logit
+_ACT_PER_EXPERT_MLP, _ACT_PER_EXPERT_INPUT, _ACT_PER_ROUTER_LOGIT = 14, 4, 6
 _NF4_BYTES = 0.5 + 1 / 64
 
 
@@ -209,7 +212,15 @@ def activation_bytes_per_token(hf_config: Any, dtype: str, checkpointing: bool) 
     head_dim = getattr(text, "head_dim", None) or h // text.num_attention_heads
     kv = (getattr(text, "num_key_value_heads", None) or text.num_attention_heads) * head_dim  # width of k
     scale = _dtype_bytes(dtype) / 2
-    per_layer = (_ACT_PER_HIDDEN * h + _ACT_PER_KV * kv + _ACT_PER_MLP * i) * scale
+    mlp = _ACT_PER_MLP * i
+    if experts := num_experts(hf_config):  # every layer sparse (Qwen3-VL-MoE: decoder_sparse_step 1)
+        # the active experts' widths per token, their gathered inputs, the router's logits (measured on
+        # transformers 5.24's fused experts within 5 %: tests/unit/test_memory_estimate.py)
+        k, width = text.num_experts_per_tok, text.moe_intermediate_size
+        mlp = (
+            _ACT_PER_EXPERT_MLP * k * width + _ACT_PER_EXPERT_INPUT * k * h + _ACT_PER_ROUTER_LOGIT * experts
+        )
+    per_layer = (_ACT_PER_HIDDEN * h + _ACT_PER_KV * kv + mlp) * scale
     if checkpointing:
         return layers * 2 * h * scale, per_layer
     return layers * per_layer, 0.0

@@ -35,6 +35,7 @@ from ntil_ds.labelled_forward import (
 )
 from ntil_ds.loss import NTILLoss, NTILOutput
 from ntil_ds.model.tensor_parallel import VocabShard
+from ntil_ds.moe import RouterTerms, router_metrics
 
 
 @dataclass
@@ -47,6 +48,7 @@ class Objective:
     device: torch.device
     dtype: torch.dtype  # the model's floating dtype: pixels are cast to it
     labelled_head: bool = True  # loss.logits=labelled (the loss must be NTILLoss)
+    router: RouterTerms | None = None  # a mixture of experts: its aux loss and expert load (moe.py)
 
     def __post_init__(self) -> None:
         if self.labelled_head:
@@ -73,9 +75,27 @@ class Objective:
 
     def logits(self, micro_batch: MicroBatch) -> torch.Tensor:
         """``[B, T, V_local]``: this rank's vocabulary slice of the logits."""
-        return self.engine.forward(
-            **micro_batch.model_inputs(self.device, self.dtype), use_cache=False
-        ).logits
+        inputs = micro_batch.model_inputs(self.device, self.dtype)
+        extra = self.router.forward_kwargs if self.router is not None else {}
+        output = self.engine.forward(**inputs, use_cache=False, **extra)
+        if self.router is not None:
+            self.router.record(output, inputs.get("attention_mask"))
+        return output.logits
+
+    def step_sum(self, out: NTILOutput, micro_batch: MicroBatch) -> torch.Tensor:
+        """What the trainer differentiates for the last micro-batch (before its division by the step's
+        count): the summed loss, plus a MoE model's aux term over the same tokens."""
+        if self.router is None:
+            return out.loss_sum
+        return self.router.objective_sum(out.loss_sum, micro_batch.num_targets)
+
+    def add_router_sums(self, sums: dict[str, torch.Tensor], micro_batch: MicroBatch) -> None:
+        if self.router is not None:
+            self.router.add_sums(sums, micro_batch.num_targets)
+
+    def router_metrics(self, host: dict[str, Any], labelled: float, tp: int) -> dict[str, float]:
+        """A MoE model's aux loss and expert load of the step (nothing for a dense model)."""
+        return {} if self.router is None else router_metrics(host, labelled, tp, self.router.num_experts)
 
     def loss_of_logits(
         self, logits: torch.Tensor, micro_batch: MicroBatch, generator: torch.Generator | None

@@ -33,15 +33,9 @@ from ntil_ds.checkpoint import (
     load_checkpoint,
 )
 from ntil_ds.config import Config, flatten, gradient_accumulation_steps, save_config
-from ntil_ds.data import (
-    Collator,
-    ConversationDataset,
-    ResumableDistributedSampler,
-    load_processor,
-    tokenizer_of,
-)
+from ntil_ds.data import Collator, ResumableDistributedSampler, load_processor, tokenizer_of
 from ntil_ds.data.batch import MicroBatch
-from ntil_ds.data.cached_dataset import CachedConversationDataset, load_dataset
+from ntil_ds.data.cached_dataset import AnyConversationDataset, load_dataset
 from ntil_ds.data.packing import PackedCollator
 from ntil_ds.data.steps import StepBatches, step_loader
 from ntil_ds.dist import (
@@ -62,6 +56,7 @@ from ntil_ds.loss.build import build_loss, check_loss_supports, head_on_labelled
 from ntil_ds.model import load_model
 from ntil_ds.model.packing import rope_fn_for
 from ntil_ds.model.tensor_parallel import find_vocab_shard
+from ntil_ds.moe import router_terms_for
 from ntil_ds.nonfinite import raise_non_finite_gradient, raise_non_finite_loss
 from ntil_ds.objective import Objective, gumbel_generator
 from ntil_ds.preemption import PreemptionWatcher
@@ -140,8 +135,9 @@ class Trainer:
             log.info(
                 "loss.name=%s reads the logits of every position: the head runs on all of them", cfg.loss.name
             )
+        router = router_terms_for(self.loaded.model, cfg.model.router_aux_loss_coef)  # MoE: aux loss, load
         self.objective = Objective(
-            self.engine, loss_fn, vocab_shard, self.device, self.loaded.dtype, labelled
+            self.engine, loss_fn, vocab_shard, self.device, self.loaded.dtype, labelled, router
         )
 
         self.collator = Collator(self.processor, fake_image=cfg.data.fake_image)
@@ -276,8 +272,9 @@ class Trainer:
             self.engine.set_accumulation_boundary(last)  # packing varies the forwards per step
             generator = gumbel_generator(self.cfg.train.seed, step, index, self.dist.dp_rank, self.device)
             out = self.objective.loss(micro_batch, generator)
-            self.engine.backward(out.loss_sum * scale)
+            self.engine.backward(self.objective.step_sum(out, micro_batch) * scale)  # + a MoE's aux term
             _add_parts(sums, out)
+            self.objective.add_router_sums(sums, micro_batch)
             loss_sums.append(out.loss_sum.detach())
             if not last:
                 self.engine.step()  # not a boundary: DeepSpeed only counts the micro-step
@@ -313,6 +310,7 @@ class Trainer:
             "tokens_per_s": host["input_tokens"] / tp / elapsed,
             "step_time_s": elapsed,
             "peak_mem_mib": peak_memory_mib(self.device),  # rank 0's; ZeRO-3 ranks are alike
+            **self.objective.router_metrics(host, labelled, tp),  # MoE: aux_loss, expert load
         }
 
     def step_batches(self) -> Iterator[list[MicroBatch]]:
@@ -331,7 +329,7 @@ class Trainer:
     # ------------------------------------------------------------------------------------------------
     # Building and bookkeeping
 
-    def _dataset(self, path: str) -> ConversationDataset | CachedConversationDataset:
+    def _dataset(self, path: str) -> AnyConversationDataset:
         d = self.cfg.data  # encoded once into the cache by the main rank, mapped by all (data/cache.py)
         data = load_dataset(path, self.processor, d.max_seq_len, d.on_bad_sample, cache=d.cache,
                             cache_dir=d.cache_dir, output_dir=self.output_dir, is_main=self.dist.is_main,

@@ -198,6 +198,10 @@ class LazyConversations(Sequence):
         return read_conversation_at(self.path, int(self.line_offsets[index]), int(self.lines[index]))
 
 
+# What load_dataset returns: the cached dataset, or the plain one with data.cache=false.
+AnyConversationDataset = ConversationDataset | CachedConversationDataset
+
+
 def load_dataset(
     path: str | Path,
     processor,
@@ -209,7 +213,7 @@ def load_dataset(
     output_dir: str | Path | None = None,
     is_main: bool = True,
     barrier: Callable[[], None] | None = None,
-) -> ConversationDataset | CachedConversationDataset:
+) -> AnyConversationDataset:
     """The dataset of one data file on this rank; progress on the main rank only.
 
     `cache=False`: every rank reads and encodes the file (`ConversationDataset`, as before the cache).

@@ -47,6 +47,19 @@ KNOWN_CONFIGS: dict[str, dict[str, Any]] = {
                           "num_position_embeddings": 2304, "deepstack_visual_indexes": [8, 16, 24]},
         "tie_word_embeddings": False,
     },
+    # Qwen3-VL-MoE: 128 experts of width 768, 8 per token, every layer sparse (30.5B total, 3.3B active).
+    "Qwen/Qwen3-VL-30B-A3B-Instruct": {
+        "model_type": "qwen3_vl_moe",
+        "text_config": {"hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 48,
+                        "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+                        "vocab_size": 151936, "num_experts": 128, "num_experts_per_tok": 8,
+                        "moe_intermediate_size": 768, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                        "tie_word_embeddings": False},
+        "vision_config": {"depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "num_heads": 16,
+                          "out_hidden_size": 2048, "patch_size": 16, "spatial_merge_size": 2,
+                          "num_position_embeddings": 2304, "deepstack_visual_indexes": [8, 16, 24]},
+        "tie_word_embeddings": False,
+    },
     "google/gemma-3-4b-it": {
         "model_type": "gemma3",
         "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "num_hidden_layers": 34,

@@ -29,6 +29,19 @@ PACKABLE_MODEL_TYPES = {
 
 def check_packing_supported(model: nn.Module) -> None:
     model_type = getattr(model.config, "model_type", None)
+    text = getattr(model.config, "text_config", None) or model.config
+    if "linear_attention" in (getattr(text, "layer_types", None) or ()):
+        # Qwen3.5 / Qwen3.5-MoE / Qwen3-Next: Gated DeltaNet layers carry state along the row (a causal
+        # convolution and a recurrent delta rule). transformers 5.24 keeps packed samples apart there only
+        # with the flash-linear-attention / causal-conv1d kernels given cu_seqlens; its torch path
+        # refuses the boundaries, and without them (this project's packing: restarting positions) the
+        # samples leak into each other (tests/unit/test_packing.py shows both).
+        raise ConfigError(
+            f"data.max_tokens_per_micro_batch > 0 (sequence packing) is refused for {model_type!r}: its "
+            "linear-attention layers (Gated DeltaNet) carry their convolution and recurrent state across "
+            "the whole row, and transformers' torch path of them cannot take the packed samples' "
+            "boundaries, so packed samples would leak into each other; set data.max_tokens_per_micro_batch=0"
+        )
     if model_type not in PACKABLE_MODEL_TYPES:
         raise ConfigError(
             f"data.max_tokens_per_micro_batch > 0 (sequence packing) is verified for the model types "

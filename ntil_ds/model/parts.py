@@ -94,3 +94,57 @@ def _builds(auto_class: type, config: Any) -> bool:
     holds classes registered with ``auto_class.register``), or the checkpoint's remote code."""
     remote = getattr(config, "auto_map", None) or {}
     return type(config) in auto_class._model_mapping or auto_class.__name__ in remote
+
+
+# ----------------------------------------------------------------------------------------------------
+# Mixture-of-experts parts. transformers 5 fuses a layer's experts into one module holding 3-D weights
+# [num_experts, out, in] (``mlp.experts.gate_up_proj`` / ``down_proj``) next to its router (``mlp.gate``,
+# a [num_experts, hidden] weight); Qwen3-VL-MoE, Qwen3.5-MoE and GLM-4.5V name them so.
+ROUTER_MARKERS = ("mlp.gate.",)
+EXPERT_MARKERS = ("mlp.experts.",)
+# The config fields the MoE families name their expert count with (text_config for MLLMs).
+_EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+MoePart = Literal["router", "experts"]
+
+
+def moe_part(param_name: str) -> MoePart | None:
+    """``router`` or ``experts`` for a mixture-of-experts parameter, by its name; None for the rest."""
+    name = f".{param_name}"
+    if any(f".{m}" in name for m in ROUTER_MARKERS):
+        return "router"
+    if any(f".{m}" in name for m in EXPERT_MARKERS):
+        return "experts"
+    return None
+
+
+def text_config_of(config: Any) -> Any:
+    """The language model's config: ``text_config`` of an MLLM, the config itself for an LLM."""
+    return getattr(config, "text_config", None) or config
+
+
+def num_experts(config: Any) -> int:
+    """The expert count of a mixture-of-experts config (0: a dense model)."""
+    text = text_config_of(config)
+    return next((int(n) for f in _EXPERT_COUNT_FIELDS if (n := getattr(text, f, None))), 0)
+
+
+def expert_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules that hold a layer's experts: those with a 3-D parameter of their own whose first
+    dimension is the config's expert count (transformers 5's fused experts). Found from the loaded model
+    itself, not from a list of class names per architecture, so a new family needs no entry here."""
+    count = num_experts(model.config)
+    if not count:
+        return []
+    return [
+        module
+        for module in model.modules()
+        if any(_leading_dim(p) == count for p in module.parameters(recurse=False))
+    ]
+
+
+def _leading_dim(param: torch.nn.Parameter) -> int:
+    """The first dimension of a 3-D parameter, -1 for any other. Under ZeRO-3 a parameter is an empty
+    placeholder; DeepSpeed keeps its full shape in ``ds_shape``."""
+    shape = tuple(getattr(param, "ds_shape", None) or param.shape)
+    return int(shape[0]) if len(shape) == 3 else -1

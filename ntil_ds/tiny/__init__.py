@@ -5,7 +5,7 @@ chat templates, but nothing may be downloaded. `build_tiny_model_folder(kind, ou
 that loads like a Hub checkpoint (`AutoConfig`, `AutoProcessor` / `AutoTokenizer`) and whose config builds
 a model of a few hundred thousand parameters with random weights (`from_config`).
 
-One module per family (qwen: Qwen2, Qwen2-VL, Qwen2.5-VL, Qwen3-VL; llava; gemma3; internvl; smolvlm); the
+One module per family (qwen: Qwen2, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5; llava; gemma3; internvl; smolvlm); the
 tokenizer (a byte-level BPE trained here, deterministically) is `tokenizer.py`; the families' chat
 templates are `templates/*.jinja` (package data, as Hub folders ship `chat_template.jinja`).
 """
@@ -19,10 +19,28 @@ from pathlib import Path
 from ntil_ds.tiny.gemma3 import build_gemma3
 from ntil_ds.tiny.internvl import build_internvl
 from ntil_ds.tiny.llava import build_llava
-from ntil_ds.tiny.qwen import build_qwen2, build_qwen2_5_vl, build_qwen2_vl, build_qwen3_vl
+from ntil_ds.tiny.qwen import (
+    build_qwen2,
+    build_qwen2_5_vl,
+    build_qwen2_vl,
+    build_qwen3_5,
+    build_qwen3_vl,
+    build_qwen3_vl_moe,
+)
 from ntil_ds.tiny.smolvlm import build_smolvlm
 
-TINY_KINDS = ("qwen2_vl", "qwen2_5_vl", "llava", "qwen2", "qwen3_vl", "gemma3", "internvl", "smolvlm")
+TINY_KINDS = (
+    "qwen2_vl",
+    "qwen2_5_vl",
+    "llava",
+    "qwen2",
+    "qwen3_vl",
+    "gemma3",
+    "internvl",
+    "smolvlm",
+    "qwen3_vl_moe",
+    "qwen3_5",
+)
 
 _BUILDERS: dict[str, Callable[[Path], None]] = {
     "qwen2_vl": build_qwen2_vl,
@@ -30,6 +48,8 @@ _BUILDERS: dict[str, Callable[[Path], None]] = {
     "llava": build_llava,
     "qwen2": build_qwen2,
     "qwen3_vl": build_qwen3_vl,
+    "qwen3_vl_moe": build_qwen3_vl_moe,
+    "qwen3_5": build_qwen3_5,
     "gemma3": build_gemma3,
     "smolvlm": build_smolvlm,
     "internvl": build_internvl,

@@ -1,4 +1,4 @@
-"""Tiny Qwen folders: Qwen2 (text only), Qwen2-VL, Qwen2.5-VL and Qwen3-VL.
+"""Tiny Qwen folders: Qwen2 (text only), Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE and Qwen3.5.
 
 The VL families share the tokenizer, the processor files and the 2x2 patch merge; each differs in its
 vision tower and rotary settings. Chat templates (``templates/``): Qwen2-VL / Qwen2.5-VL's real one
@@ -122,6 +122,74 @@ def build_qwen2_5_vl(out_dir: Path) -> None:
 def build_qwen3_vl(out_dir: Path) -> None:
     from transformers import Qwen3VLConfig
 
+    _build_qwen3_vl_like(out_dir, Qwen3VLConfig, "Qwen3VLProcessor")
+
+
+# Qwen3-VL-30B-A3B's routing, shrunk: 4 experts of which each token takes 2 (the real model: 128 and 8),
+# every layer sparse (decoder_sparse_step 1), the family's aux-loss coefficient (0.001). The expert
+# weights must not be square (2 * 24 != 64): transformers tells a Hub checkpoint's transposed layout from
+# its own by the shapes alone (conversion_mapping's Transpose(check_dims=True)).
+_QWEN3_VL_MOE_TEXT = {
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 24,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "router_aux_loss_coef": 0.001,
+}
+
+
+def build_qwen3_vl_moe(out_dir: Path) -> None:
+    """Qwen3-VL-MoE (Qwen3-VL-30B-A3B, -235B-A22B): Qwen3-VL's vision tower and template, MoE layers."""
+    from transformers import Qwen3VLMoeConfig
+
+    _build_qwen3_vl_like(out_dir, Qwen3VLMoeConfig, "Qwen3VLProcessor", **_QWEN3_VL_MOE_TEXT)
+
+
+def build_qwen3_5(out_dir: Path) -> None:
+    """Qwen3.5 (dense, e.g. Qwen3.5-27B): Qwen3-VL's processor and template; the text model alternates
+    Gated DeltaNet (linear attention) and full-attention layers (the real one: 3 of every 4 linear), with
+    partial rotary (a quarter of head_dim: 8 of 32, so the M-RoPE sections sum to 4)."""
+    from transformers import Qwen3_5Config
+
+    tokenizer, text, ids = _qwen_vl_text_and_ids(
+        "qwen3_vl",
+        {
+            "rope_type": "default",
+            "rope_theta": 10000000.0,
+            "mrope_section": [2, 1, 1],
+            "mrope_interleaved": True,
+            "partial_rotary_factor": 0.25,
+        },
+        head_dim=32,
+        layer_types=["linear_attention", "full_attention"],
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+    )
+    config = Qwen3_5Config(
+        text_config=text,
+        vision_config={
+            "depth": 2,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_heads": 2,
+            "out_hidden_size": text["hidden_size"],
+            "patch_size": 14,  # the real one has 16; 14 keeps the processor the other Qwen folders share
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "num_position_embeddings": 64,
+        },
+        tie_word_embeddings=False,
+        **ids,
+    )
+    config.save_pretrained(out_dir)
+    _save_qwen_vl_processor(out_dir, "Qwen3VLProcessor", tokenizer)
+
+
+def _build_qwen3_vl_like(out_dir: Path, config_class: type, processor_class: str, **text_fields) -> None:
     # Interleaved M-RoPE; the sections sum to head_dim / 2 as in the real [24, 20, 20] for head_dim 128.
     tokenizer, text, ids = _qwen_vl_text_and_ids(
         "qwen3_vl",
@@ -132,8 +200,9 @@ def build_qwen3_vl(out_dir: Path) -> None:
             "mrope_interleaved": True,
         },
         head_dim=16,
+        **text_fields,
     )
-    config = Qwen3VLConfig(
+    config = config_class(
         text_config=text,
         vision_config={
             "depth": 2,
@@ -151,7 +220,7 @@ def build_qwen3_vl(out_dir: Path) -> None:
         **ids,
     )
     config.save_pretrained(out_dir)
-    _save_qwen_vl_processor(out_dir, "Qwen3VLProcessor", tokenizer)
+    _save_qwen_vl_processor(out_dir, processor_class, tokenizer)
 
 
 def build_qwen2(out_dir: Path) -> None:

@@ -265,13 +265,22 @@ def test_export_loads_without_deepspeed_and_matches_the_trained_weights(qwen_set
 
 # Image sizes that give each family a few image tokens (LLaVA and Gemma 3 resize to 28x28 anyway;
 # InternVL: one 28x28 tile; SmolVLM scales every image to 84x84: 3x3 tiles + the whole image, 40 tokens).
-OTHER_FAMILIES = {"llava": 28, "qwen3_vl": 56, "gemma3": 28, "internvl": 28, "smolvlm": 28}
+OTHER_FAMILIES = {
+    "llava": 28,
+    "qwen3_vl": 56,
+    "gemma3": 28,
+    "internvl": 28,
+    "smolvlm": 28,
+    "qwen3_5": 56,
+    "qwen3_vl_moe": 56,
+}
 
 
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("kind", sorted(OTHER_FAMILIES))
 def test_other_families_ntil_loss_falls_and_export_reloads(tmp_path, kind):
-    """The same job on LLaVA, Qwen3-VL, Gemma 3, InternVL and SmolVLM: mixed text/image batches, 2 ranks,
+    """The same job on LLaVA, Qwen3-VL, Gemma 3, InternVL, SmolVLM, Qwen3.5 (hybrid attention) and
+    Qwen3-VL-MoE (its aux loss at the family's coefficient): mixed text/image batches, 2 ranks,
     ZeRO-3; the export loads with plain from_pretrained (no missing or unexpected weights) and holds the
     trained masters."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint

@@ -32,6 +32,8 @@ END_OF_TURN = {
     "gemma3": "<end_of_turn>",
     "internvl": "<|im_end|>",
     "smolvlm": "<end_of_utterance>",
+    "qwen3_vl_moe": "<|im_end|>",
+    "qwen3_5": "<|im_end|>",
 }
 
 

@@ -53,6 +53,8 @@ PUBLISHED_B = {
     "Qwen/Qwen2-VL-7B-Instruct": 8.29,
     "Qwen/Qwen2.5-VL-7B-Instruct": 8.29,
     "Qwen/Qwen3-VL-8B-Instruct": 8.77,
+    # the Hub page's 31.1B (rounded): the language model is Qwen3-30B-A3B's 30.53B, the tower Qwen3-VL's
+    "Qwen/Qwen3-VL-30B-A3B-Instruct": 31.07,
     "google/gemma-3-4b-it": 4.30,
     "OpenGVLab/InternVL3-8B-hf": 7.94,
     "HuggingFaceTB/SmolVLM2-2.2B-Instruct": 2.25,
@@ -270,6 +272,28 @@ def test_activation_formula_matches_what_a_real_model_saves(checkpointing):
     per_layer = (three - one) / 2
     kept, _ = activation_bytes_per_token(config, "bfloat16", checkpointing)
     assert kept / 3 == pytest.approx(per_layer, rel=0.1)
+
+
+@pytest.mark.parametrize(("experts", "top_k", "width"), [(16, 4, 40), (4, 1, 128)])
+def test_moe_activation_formula_matches_what_a_real_moe_saves(experts, top_k, width):
+    """A mixture of experts: the active experts' widths count, not the dense intermediate_size (320 here,
+    unused by the sparse layers)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    def measured(layers):
+        config = Qwen3MoeConfig(
+            vocab_size=300, hidden_size=96, intermediate_size=320, moe_intermediate_size=width,
+            num_experts=experts, num_experts_per_tok=top_k, num_hidden_layers=layers, num_attention_heads=6,
+            num_key_value_heads=3, head_dim=16, tie_word_embeddings=False,
+        )  # fmt: skip
+        torch.manual_seed(0)
+        model = Qwen3MoeForCausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.bfloat16)
+        return _saved_bytes_per_token(model.train(), 128, 300), config
+
+    one, _ = measured(1)
+    three, config = measured(3)
+    kept, _ = activation_bytes_per_token(config, "bfloat16", False)
+    assert kept / 3 == pytest.approx((three - one) / 2, rel=0.06)
 
 
 def test_recipe_headers_state_the_estimators_numbers():

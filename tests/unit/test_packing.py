@@ -221,3 +221,54 @@ def test_step_batches_agree_across_ranks_and_resume_exactly(text_dataset):
         for a, b in zip(got, expected, strict=True):
             assert a.tensors.keys() == b.tensors.keys()
             assert all(torch.equal(a.tensors[key], b.tensors[key]) for key in a.tensors)
+
+
+def test_hybrid_linear_attention_packing_leaks_on_the_torch_path_and_is_refused():
+    """Qwen3.5's Gated DeltaNet layers on transformers 5.24's torch path: a sample packed behind another
+    the way this project packs (positions restarting, no attention mask) does not compute what it
+    computes alone: the convolution and the delta rule run across the whole row. Given the boundaries
+    (cu_seq_lens), transformers refuses without flash-linear-attention (a CUDA Triton package). So
+    packing is refused for the family at start, with the reason."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    from ntil_ds.config import ConfigError
+
+    config = Qwen3_5TextConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"],
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_num_key_heads=2,
+        linear_num_value_heads=2,
+    )
+    torch.manual_seed(0)
+    model = Qwen3_5ForCausalLM(config).eval()
+    first, second = torch.randint(0, 64, (1, 7)), torch.randint(0, 64, (1, 5))
+    row = torch.cat([first, second], dim=1)
+    positions = torch.cat([torch.arange(7), torch.arange(5)])[None]
+    bounds = torch.tensor([0, 7, 12], dtype=torch.int32)
+    with torch.no_grad():
+        alone = model(input_ids=second).logits
+        packed = model(input_ids=row, position_ids=positions).logits[:, 7:]
+        assert not torch.allclose(packed, alone, atol=1e-4)  # the first sample leaked into the second
+        with pytest.raises(ValueError, match="can't keep packed sequences apart"):
+            model(input_ids=row, position_ids=positions, cu_seq_lens_q=bounds, cu_seq_lens_k=bounds)
+    with pytest.raises(ConfigError, match="linear-attention layers .*max_tokens_per_micro_batch=0"):
+        check_packing_supported(model)
+
+
+def test_tiny_qwen3_5_folder_is_refused_packing_with_the_reason(tmp_path):
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from ntil_ds.config import ConfigError
+
+    config = AutoConfig.from_pretrained(build_tiny_model_folder("qwen3_5", tmp_path / "qwen3_5"))
+    model = AutoModelForImageTextToText.from_config(config)
+    with pytest.raises(ConfigError, match="'qwen3_5'.*linear-attention layers"):
+        rope_fn_for(model)  # what the trainer asks before it builds the packing collator

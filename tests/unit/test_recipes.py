@@ -30,6 +30,7 @@ TINY_STAND_IN = {
     "llava-hf/llava-1.5-7b-hf": "llava",
     "Qwen/Qwen2.5-7B-Instruct": "qwen2",
     "Qwen/Qwen3-VL-8B-Instruct": "qwen3_vl",
+    "Qwen/Qwen3-VL-30B-A3B-Instruct": "qwen3_vl_moe",
     "google/gemma-3-4b-it": "gemma3",
     "OpenGVLab/InternVL3-8B-hf": "internvl",
     "HuggingFaceTB/SmolVLM2-2.2B-Instruct": "smolvlm",

@@ -21,7 +21,17 @@ from ntil_ds.data.processor import load_processor, tokenizer_of
 from ntil_ds.model import model_part
 from ntil_ds.tiny import TINY_KINDS, build_tiny_model_folder
 
-MLLM_KINDS = ("qwen2_vl", "qwen2_5_vl", "llava", "qwen3_vl", "gemma3", "internvl", "smolvlm")
+MLLM_KINDS = (
+    "qwen2_vl",
+    "qwen2_5_vl",
+    "llava",
+    "qwen3_vl",
+    "gemma3",
+    "internvl",
+    "smolvlm",
+    "qwen3_vl_moe",
+    "qwen3_5",
+)
 
 # Each family's vision tower and projector by parameter-name prefix (transformers 5.24's module names),
 # written out here independently of ntil_ds.model.parts, which they check: (tower, projector prefixes).
@@ -29,6 +39,8 @@ VISION_PARTS = {
     "qwen2_vl": ("model.visual.", ("model.visual.merger.",)),
     "qwen2_5_vl": ("model.visual.", ("model.visual.merger.",)),
     "qwen3_vl": ("model.visual.", ("model.visual.merger.", "model.visual.deepstack_merger_list.")),
+    "qwen3_vl_moe": ("model.visual.", ("model.visual.merger.", "model.visual.deepstack_merger_list.")),
+    "qwen3_5": ("model.visual.", ("model.visual.merger.",)),
     "llava": ("model.vision_tower.", ("model.multi_modal_projector.",)),
     "gemma3": ("model.vision_tower.", ("model.multi_modal_projector.",)),
     "internvl": ("model.vision_tower.", ("model.multi_modal_projector.",)),

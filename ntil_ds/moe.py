@@ -1,0 +1,113 @@
+"""The router's load-balancing loss and the experts' load, for mixture-of-experts models.
+
+The loss is the family's own: transformers computes it in the model's forward when asked for the
+router logits (``output_router_logits=True``: Switch Transformer's ``num_experts * sum_e f_e * P_e``
+over the micro-batch's unpadded tokens, ``load_balancing_loss_func``), and the family's coefficient is
+its config's ``router_aux_loss_coef`` (Qwen3-VL-MoE: 0.001) unless ``model.router_aux_loss_coef`` sets
+one. Transformers would add ``coef * aux`` to its own per-micro-batch mean loss; here it enters under
+the project's normalisation contract instead (trainer.train_step): each micro-batch contributes
+``coef * aux * (its labelled tokens)`` to the step's sum, which is divided by the step's global count
+of labelled tokens, like the loss itself. So the step's aux loss is the token-weighted mean of the
+micro-batches' (logged as ``train/aux_loss``, without the coefficient); ``train/loss`` stays the data
+loss alone, comparable with a dense model's.
+
+The load: per MoE layer, the share of the step's top-k assignments (unpadded tokens, all micro-batches
+and ranks) each expert got; logged as the smallest and largest share over all layers and experts
+(``1 / num_experts`` each when balanced) and the number of (layer, expert) pairs that got no token, so
+a collapsing router shows. Everything stays on the device until the step's one read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from ntil_ds.model.parts import num_experts, text_config_of
+
+
+@dataclass
+class RouterTerms:
+    """What a MoE model's forwards add to the step: the aux loss and the experts' load."""
+
+    coef: float
+    num_experts: int
+    top_k: int
+    last_aux: torch.Tensor | None = field(default=None, repr=False)
+    last_counts: torch.Tensor | None = field(default=None, repr=False)  # [MoE layers, experts]
+
+    # the forward is asked for the router logits (and so computes its aux loss)
+    forward_kwargs: ClassVar[dict[str, bool]] = {"output_router_logits": True}
+
+    def record(self, output: Any, attention_mask: torch.Tensor | None) -> None:
+        """After a forward: its aux loss (with its graph) and its expert counts (no graph)."""
+        aux, router_logits = getattr(output, "aux_loss", None), getattr(output, "router_logits", None)
+        if aux is None or not router_logits:
+            raise RuntimeError(
+                f"{type(output).__name__} has no aux_loss / router_logits although the forward was asked "
+                "for them (output_router_logits=True)"
+            )
+        self.last_aux = aux
+        self.last_counts = expert_counts(router_logits, self.top_k, self.num_experts, attention_mask)
+
+    def objective_sum(self, loss_sum: torch.Tensor, num_targets: int) -> torch.Tensor:
+        """The last forward's summed loss plus its aux term, both over its labelled tokens (the trainer
+        divides by the step's global count). Added even at coef 0: then it changes no gradient."""
+        return loss_sum + self.coef * self.last_aux * num_targets
+
+    def add_sums(self, sums: dict[str, torch.Tensor], num_targets: int) -> None:
+        """The last forward's aux term and counts into the step's device sums."""
+        parts = {"aux_sum": self.last_aux.detach().double() * num_targets, "expert_counts": self.last_counts}
+        for name, value in parts.items():
+            sums[name] = sums[name] + value if name in sums else value
+
+
+def router_terms_for(model: torch.nn.Module, coef: float | None) -> RouterTerms | None:
+    """The router terms of a MoE model (None for a dense one); ``coef``: the recipe's, None for the
+    family's own (its config's ``router_aux_loss_coef``)."""
+    count = num_experts(model.config)
+    if not count:
+        return None
+    text = text_config_of(model.config)
+    own = getattr(text, "router_aux_loss_coef", None)
+    if coef is None and own is None:
+        raise ValueError(
+            f"{type(model).__name__} has experts but its config names no router_aux_loss_coef; "
+            "set model.router_aux_loss_coef"
+        )
+    return RouterTerms(
+        coef=float(own if coef is None else coef),
+        num_experts=count,
+        top_k=int(text.num_experts_per_tok),
+    )
+
+
+def expert_counts(
+    router_logits: tuple[torch.Tensor, ...], top_k: int, experts: int, attention_mask: torch.Tensor | None
+) -> torch.Tensor:
+    """``[layers, experts]``: how many top-k assignments of the unpadded tokens each expert got (the
+    routers' own choice: top-k of the logits is top-k of their softmax)."""
+    counts = []
+    for layer in router_logits:
+        chosen = layer.detach().topk(top_k, dim=-1).indices  # [tokens, top_k]
+        weight = torch.ones(chosen.shape[0], dtype=torch.float64, device=chosen.device)
+        if attention_mask is not None:
+            weight = attention_mask.reshape(-1).to(chosen.device, torch.float64)
+        zeros = torch.zeros(experts, dtype=torch.float64, device=chosen.device)
+        counts.append(zeros.scatter_add_(0, chosen.reshape(-1), weight.repeat_interleave(top_k)))
+    return torch.stack(counts)
+
+
+def router_metrics(host: dict[str, Any], labelled: float, tp: int, experts: int) -> dict[str, float]:
+    """The step's ``aux_loss`` and expert load from its summed host values (empty for a dense model)."""
+    if "aux_sum" not in host:
+        return {}
+    counts = torch.tensor(host["expert_counts"], dtype=torch.float64).reshape(-1, experts) / tp
+    shares = counts / counts.sum(dim=1, keepdim=True).clamp_min(1.0)
+    return {
+        "aux_loss": host["aux_sum"] / tp / max(labelled, 1.0),
+        "expert_share_min": float(shares.min()),
+        "expert_share_max": float(shares.max()),
+        "experts_unused": float((counts == 0).sum()),
+    }
