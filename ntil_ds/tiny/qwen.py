@@ -122,7 +122,7 @@ def build_qwen2_5_vl(out_dir: Path) -> None:
 def build_qwen3_vl(out_dir: Path) -> None:
     from transformers import Qwen3VLConfig
 
-    _build_qwen3_vl_like(out_dir, Qwen3VLConfig, "Qwen3VLProcessor")
+    _build_qwen3_vl_like(out_dir, Qwen3VLConfig)
 
 
 # Qwen3-VL-30B-A3B's routing, shrunk: 4 experts of which each token takes 2 (the real model: 128 and 8),
@@ -143,18 +143,20 @@ def build_qwen3_vl_moe(out_dir: Path) -> None:
     """Qwen3-VL-MoE (Qwen3-VL-30B-A3B, -235B-A22B): Qwen3-VL's vision tower and template, MoE layers."""
     from transformers import Qwen3VLMoeConfig
 
-    _build_qwen3_vl_like(out_dir, Qwen3VLMoeConfig, "Qwen3VLProcessor", **_QWEN3_VL_MOE_TEXT)
+    _build_qwen3_vl_like(out_dir, Qwen3VLMoeConfig, **_QWEN3_VL_MOE_TEXT)
 
 
 def build_qwen3_5(out_dir: Path) -> None:
-    """Qwen3.5 (dense, e.g. Qwen3.5-27B): Qwen3-VL's processor and template; the text model alternates
-    Gated DeltaNet (linear attention) and full-attention layers (the real one: 3 of every 4 linear), with
-    partial rotary (a quarter of head_dim: 8 of 32, so the M-RoPE sections sum to 4)."""
+    """Qwen3.5 (dense, e.g. Qwen3.5-27B): Qwen3-VL's processor, template and vision tower (without
+    deepstack); the text model alternates Gated DeltaNet (linear attention) and full-attention layers (the
+    real one: 3 of every 4 linear), with partial rotary (a quarter of head_dim: 8 of 32, so the M-RoPE
+    sections sum to 4)."""
     from transformers import Qwen3_5Config
 
-    tokenizer, text, ids = _qwen_vl_text_and_ids(
-        "qwen3_vl",
-        {
+    _build_qwen3_vl_like(
+        out_dir,
+        Qwen3_5Config,
+        rope={
             "rope_type": "default",
             "rope_theta": 10000000.0,
             "mrope_section": [2, 1, 1],
@@ -162,6 +164,7 @@ def build_qwen3_5(out_dir: Path) -> None:
             "partial_rotary_factor": 0.25,
         },
         head_dim=32,
+        deepstack=False,
         layer_types=["linear_attention", "full_attention"],
         linear_conv_kernel_dim=4,
         linear_key_head_dim=16,
@@ -169,58 +172,44 @@ def build_qwen3_5(out_dir: Path) -> None:
         linear_num_key_heads=2,
         linear_num_value_heads=4,
     )
-    config = Qwen3_5Config(
-        text_config=text,
-        vision_config={
-            "depth": 2,
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_heads": 2,
-            "out_hidden_size": text["hidden_size"],
-            "patch_size": 14,  # the real one has 16; 14 keeps the processor the other Qwen folders share
-            "spatial_merge_size": 2,
-            "temporal_patch_size": 2,
-            "num_position_embeddings": 64,
-        },
-        tie_word_embeddings=False,
-        **ids,
-    )
+
+
+# Interleaved M-RoPE; the sections sum to head_dim / 2 as in the real [24, 20, 20] for head_dim 128.
+_QWEN3_VL_ROPE = {
+    "rope_type": "default",
+    "rope_theta": 5000000.0,
+    "mrope_section": [4, 2, 2],
+    "mrope_interleaved": True,
+}
+
+
+def _build_qwen3_vl_like(
+    out_dir: Path,
+    config_class: type,
+    rope: dict = _QWEN3_VL_ROPE,
+    head_dim: int = 16,
+    deepstack: bool = True,
+    **text_fields,
+) -> None:
+    """A Qwen3-VL-style folder (Qwen3-VL's vision tower, processor and template) of `config_class`, its
+    text config from `rope`, `head_dim` and the family's own `text_fields`."""
+    tokenizer, text, ids = _qwen_vl_text_and_ids("qwen3_vl", rope, head_dim=head_dim, **text_fields)
+    vision = {
+        "depth": 2,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_heads": 2,
+        "out_hidden_size": text["hidden_size"],
+        "patch_size": 14,  # Qwen3.5's real one has 16; 14 keeps the processor the other Qwen folders share
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "num_position_embeddings": 64,  # an 8x8 learned grid, interpolated to the image's patches
+    }
+    if deepstack:
+        vision["deepstack_visual_indexes"] = [0]  # layer 0's features are also added to the LM's first layer
+    config = config_class(text_config=text, vision_config=vision, tie_word_embeddings=False, **ids)
     config.save_pretrained(out_dir)
     _save_qwen_vl_processor(out_dir, "Qwen3VLProcessor", tokenizer)
-
-
-def _build_qwen3_vl_like(out_dir: Path, config_class: type, processor_class: str, **text_fields) -> None:
-    # Interleaved M-RoPE; the sections sum to head_dim / 2 as in the real [24, 20, 20] for head_dim 128.
-    tokenizer, text, ids = _qwen_vl_text_and_ids(
-        "qwen3_vl",
-        {
-            "rope_type": "default",
-            "rope_theta": 5000000.0,
-            "mrope_section": [4, 2, 2],
-            "mrope_interleaved": True,
-        },
-        head_dim=16,
-        **text_fields,
-    )
-    config = config_class(
-        text_config=text,
-        vision_config={
-            "depth": 2,
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_heads": 2,
-            "out_hidden_size": text["hidden_size"],
-            "patch_size": 14,
-            "spatial_merge_size": 2,
-            "temporal_patch_size": 2,
-            "num_position_embeddings": 64,  # an 8x8 learned grid, interpolated to the image's patches
-            "deepstack_visual_indexes": [0],  # layer 0's features are also added to the LM's first layer
-        },
-        tie_word_embeddings=False,
-        **ids,
-    )
-    config.save_pretrained(out_dir)
-    _save_qwen_vl_processor(out_dir, processor_class, tokenizer)
 
 
 def build_qwen2(out_dir: Path) -> None:
