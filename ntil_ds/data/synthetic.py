@@ -39,9 +39,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from PIL import Image, ImageDraw, ImageFont
-from tqdm import tqdm
 
 from ntil_ds.data.drawing import COLOURS, OTHER_COLOURS, Sample, default_font, draw_shape, overlap, polar
+from ntil_ds.data.progress import progress
 
 TASKS = ("clock", "boxes", "chart", "digits", "arithmetic")
 DIFFICULTIES = ("standard", "easy", "easy-alt")
@@ -326,7 +326,7 @@ def generate(task: str, n: int, seed: int, difficulty: str = "standard") -> list
     stream = task if difficulty == "standard" else f"{task}-{difficulty}"
     seen: set[tuple] = set()
     samples = []
-    for index in tqdm(range(n), desc=f"drawing {task} ({difficulty})", unit="sample"):
+    for index in progress(range(n), desc=f"drawing {task} ({difficulty})", unit="sample"):
         for attempt in range(1000):  # redraw a sample that repeats an earlier one
             sample = make(random.Random(f"{stream}:{seed}:{index}:{attempt}"))
             if sample.key not in seen:

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
 from ntil_ds.data import (
@@ -25,6 +24,7 @@ from ntil_ds.data import (
     split_last_answer,
     tokenizer_of,
 )
+from ntil_ds.data.progress import progress
 from ntil_ds.scoring import score
 
 
@@ -36,7 +36,8 @@ def generate_and_score(
     device = next(model.parameters()).device
     rows = []
     started = time.perf_counter()
-    with tqdm(total=len(dataset), desc="generating", unit="sample") as progress:
+    # in a log file (a SLURM .out) one line every ~30 s, not one per batch
+    with progress(total=len(dataset), desc="generating", unit="sample") as bar:
         for start in range(0, len(dataset), batch_size):
             conversations = dataset.conversations[start : start + batch_size]
             batch = {k: v.to(device) for k, v in prompt_batch(processor, conversations).items()}
@@ -55,7 +56,7 @@ def generate_and_score(
                 rows.append(
                     {"source": conversation.source, "reference": reference, "prediction": answer.strip()}
                 )
-            progress.update(len(conversations))
+            bar.update(len(conversations))
     seconds = time.perf_counter() - started
     metrics = score(task, [r["prediction"] for r in rows], [r["reference"] for r in rows])
     return {
