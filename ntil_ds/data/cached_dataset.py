@@ -47,7 +47,7 @@ from ntil_ds.data.dataset import (
 )
 from ntil_ds.data.encoding import aligned_targets
 from ntil_ds.data.processor import is_multimodal
-from ntil_ds.data.records import DataError, read_conversation_at, read_jsonl_indexed
+from ntil_ds.data.records import read_conversation_at, read_jsonl_indexed, require_data_file
 
 log = logging.getLogger(__name__)
 
@@ -70,11 +70,7 @@ class CachedConversationDataset(torch.utils.data.Dataset):
         on_locked: Callable[[], None] | None = None,
     ):
         check_settings(max_seq_len, on_bad_sample)
-        self.path, self.processor, self.max_seq_len = Path(path), processor, max_seq_len
-        if not self.path.is_file():
-            raise DataError(
-                f"{self.path}: data file not found (give a JSONL file, one conversation per line)"
-            )
+        self.path, self.processor, self.max_seq_len = require_data_file(path), processor, max_seq_len
         self.multimodal = is_multimodal(processor)
         digest, line_count = file_digest(self.path)
         key = {"data_path": str(self.path), **cache_key(digest, processor, max_seq_len, on_bad_sample)}

@@ -79,9 +79,7 @@ def read_jsonl(path: str | Path) -> Iterator[tuple[int, Conversation | BadSample
 def read_jsonl_indexed(path: str | Path) -> Iterator[tuple[int, int, Conversation | BadSample]]:
     """Like `read_jsonl`, with each line's byte offset in the file (what the data cache keeps, so that a
     sample's conversation can be read again later without reading the file: `read_conversation_at`)."""
-    path = Path(path)
-    if not path.is_file():
-        raise DataError(f"{path}: data file not found (give a JSONL file, one conversation per line)")
+    path = require_data_file(path)
     with path.open("rb") as lines:
         offset = 0
         for number, raw in enumerate(lines, start=1):
@@ -93,6 +91,14 @@ def read_jsonl_indexed(path: str | Path) -> Iterator[tuple[int, int, Conversatio
                 yield number, start, parse_line(line, path, number)
             except BadSample as bad:
                 yield number, start, bad
+
+
+def require_data_file(path: str | Path) -> Path:
+    """`path` as a Path, or a DataError saying what to give when it is not a file."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: data file not found (give a JSONL file, one conversation per line)")
+    return path
 
 
 def read_conversation_at(path: str | Path, offset: int, number: int) -> Conversation:
