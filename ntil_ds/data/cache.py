@@ -203,10 +203,11 @@ def check(folder: Path, key: dict) -> tuple[CacheArrays | None, str]:
         if name not in lengths or manifest["arrays"][name].get("dtype") != dtype:
             return None, f"its manifest does not describe {name}.bin"
         size = path.stat().st_size if path.is_file() else None
-        if size != lengths[name] * np.dtype(dtype).itemsize:
+        expected_size = lengths[name] * np.dtype(dtype).itemsize
+        if size != expected_size:
             return (
                 None,
-                f"{name}.bin is {'missing' if size is None else f'{size} bytes'}, not {lengths[name] * np.dtype(dtype).itemsize}",
+                f"{name}.bin is {'missing' if size is None else f'{size} bytes'}, not {expected_size}",
             )
     arrays = CacheArrays(folder, manifest, _map(folder, manifest))
     problem = _inconsistency(arrays, manifest)
