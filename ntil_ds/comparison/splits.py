@@ -17,14 +17,7 @@ import json
 from pathlib import Path
 
 from ntil_ds.data import BadSample, read_jsonl
-
-CHUNK = 1 << 20
-
-
-def _update_with_file(digest, path: Path) -> None:
-    with Path(path).open("rb") as f:
-        while chunk := f.read(CHUNK):
-            digest.update(chunk)
+from ntil_ds.data.cache import update_with_file
 
 
 def split_hash(split: Path) -> str:
@@ -33,7 +26,7 @@ def split_hash(split: Path) -> str:
     if not split.is_file():
         raise SystemExit(f"test split {split} does not exist: its content cannot be compared")
     digest = hashlib.sha256()
-    _update_with_file(digest, split)
+    update_with_file(digest, split)
     seen: set[Path] = set()
     for _, conversation in read_jsonl(split):
         if isinstance(conversation, BadSample):
@@ -42,7 +35,7 @@ def split_hash(split: Path) -> str:
             if image not in seen:
                 seen.add(image)
                 digest.update(b"\0image\0")
-                _update_with_file(digest, image)
+                update_with_file(digest, image)
     return digest.hexdigest()
 
 
@@ -55,7 +48,7 @@ def item_hashes(split: Path) -> dict[str, str]:
         digest = hashlib.sha256(json.dumps(conversation.messages, sort_keys=True).encode())
         for image in conversation.images:
             digest.update(b"\0image\0")
-            _update_with_file(digest, image)
+            update_with_file(digest, image)
         hashes.setdefault(digest.hexdigest(), conversation.source)
     return hashes
 

@@ -76,6 +76,13 @@ def file_digest(path: Path) -> tuple[str, int]:
     return digest.hexdigest(), lines + (last != b"\n")
 
 
+def update_with_file(digest, path: Path) -> None:
+    """Feed a file's bytes to a hashlib digest, a chunk at a time."""
+    with Path(path).open("rb") as file:
+        while chunk := file.read(_CHUNK):
+            digest.update(chunk)
+
+
 def processor_source(processor) -> str:
     """Where the processor was loaded from (a folder, or a hub id)."""
     from ntil_ds.data.processor import tokenizer_of
@@ -104,9 +111,7 @@ def processor_digest(processor) -> str:
             p for p in source.rglob("*") if p.is_file() and not p.name.endswith(_WEIGHT_SUFFIXES)
         ):
             digest.update(str(file.relative_to(source)).encode() + b"\0")
-            with file.open("rb") as handle:
-                while chunk := handle.read(_CHUNK):
-                    digest.update(chunk)
+            update_with_file(digest, file)
     return digest.hexdigest()
 
 
