@@ -86,14 +86,14 @@ def control_scores(task: str, train: Path, test: Path) -> dict:
         "constants": {
             name: {
                 "answer": answer,
-                "metrics": _finite(score(task, [answer] * len(test_answers), test_answers)),
+                "metrics": _nan_as_none(score(task, [answer] * len(test_answers), test_answers)),
             }
             for name, answer in constants.items()
         },
     }
 
 
-def _finite(metrics: dict) -> dict:
+def _nan_as_none(metrics: dict) -> dict:
     """Strict JSON: a mean over nothing parsed is None, not NaN."""
     return {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in metrics.items()}
 
@@ -143,7 +143,7 @@ def shuffled_chance(task: str, test: Path, shuffled: dict) -> dict:
     """Chance on the shuffled check: each item's permuted partner's true answer scored against its own
     (what a model that reads the image it is shown and nothing else would score)."""
     truth = answers(test)[: shuffled["n"]]
-    return _finite(score(task, [truth[p] for p in shuffled["permutation"]], truth))
+    return _nan_as_none(score(task, [truth[p] for p in shuffled["permutation"]], truth))
 
 
 def controls_markdown(controls: dict | None, runs: list, summary: dict, metrics: tuple[str, ...]) -> str:
