@@ -207,16 +207,7 @@ class Comparison:
                 took = f"train {run.train_s or 0:.0f} s"
                 print(f"=== {label} seed {seed}: {run.status} {run.stage} {shown} ({took})", flush=True)
                 report = self.write(mlflow_runs.parent)
-        mlflow_runs.finish(
-            {slug(label): stats for label, stats in report["summary"].items()},
-            [
-                p
-                for p in (plan.out / n for n in ("results.json", "table.md", "comparison.png", "curves.png"))
-                if p.is_file()
-            ],
-            any_failed=bool(report["failed"]),
-            extra_metrics=paired_metrics(report["paired"]) | controls_metrics(report.get("controls")),
-        )
+        finish_parent_run(mlflow_runs, plan.out, report)
         print(
             f"\n{(plan.out / 'table.md').read_text()}\nresults: {plan.out / 'results.json'}\n"
             f"plot:    {plan.out / 'comparison.png'}\nMLflow:  parent run {mlflow_runs.parent} in {plan.uri}\n"
@@ -301,6 +292,21 @@ class Comparison:
         }
         title = f"{plan.recipe.stem}: {plan.task}, seeds {','.join(map(str, plan.seeds))}"
         return write_outputs(plan.out, self.runs, plan.metrics, plan.baseline, header, title)
+
+
+def finish_parent_run(parent, out: Path, report: dict) -> None:
+    """Close a comparison's MLflow parent run (a grid's or a merge's): the summary per loss, the paired
+    statistics and controls as metrics, the outputs under `out` as artifacts."""
+    parent.finish(
+        {slug(label): stats for label, stats in report["summary"].items()},
+        [
+            p
+            for p in (out / n for n in ("results.json", "table.md", "comparison.png", "curves.png"))
+            if p.is_file()
+        ],
+        any_failed=bool(report["failed"]),
+        extra_metrics=paired_metrics(report["paired"]) | controls_metrics(report.get("controls")),
+    )
 
 
 def write_outputs(

@@ -17,10 +17,9 @@ import os
 import time
 from pathlib import Path
 
-from ntil_ds.comparison.controls import control_scores, controls_metrics
-from ntil_ds.comparison.grid import write_outputs
-from ntil_ds.comparison.paired import paired_metrics
-from ntil_ds.comparison.results import RunResult, slug
+from ntil_ds.comparison.controls import control_scores
+from ntil_ds.comparison.grid import finish_parent_run, write_outputs
+from ntil_ds.comparison.results import RunResult
 from ntil_ds.comparison.splits import refuse_overlap, split_hash
 from ntil_ds.tracking import resolve_tracking_uri
 from ntil_ds.tracking.mlflow_comparison import ComparisonRuns
@@ -100,16 +99,7 @@ def merge_comparisons(grids: list[Path], out: Path) -> dict:
     parent = ComparisonRuns(uri, experiment, header["name"], params | {"test_split_sha256": test_hash})
     header["mlflow"] = {"uri": uri, "experiment": experiment, "parent_run_id": parent.parent}
     report = write_outputs(out, runs, tuple(first["metrics"]), baseline, header, title, note)
-    parent.finish(
-        {slug(label): stats for label, stats in report["summary"].items()},
-        [
-            p
-            for p in (out / n for n in ("results.json", "table.md", "comparison.png", "curves.png"))
-            if p.is_file()
-        ],
-        any_failed=bool(report["failed"]),
-        extra_metrics=paired_metrics(report["paired"]) | controls_metrics(report.get("controls")),
-    )
+    finish_parent_run(parent, out, report)
     return report
 
 
