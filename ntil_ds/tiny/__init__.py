@@ -5,7 +5,7 @@ chat templates, but nothing may be downloaded. `build_tiny_model_folder(kind, ou
 that loads like a Hub checkpoint (`AutoConfig`, `AutoProcessor` / `AutoTokenizer`) and whose config builds
 a model of a few hundred thousand parameters with random weights (`from_config`).
 
-One module per family (qwen: Qwen2, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5; llava; gemma3; internvl; smolvlm); the
+One module per family (qwen: Qwen2, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5; llava; gemma3; internvl; smolvlm; mllama, glm4v and mistral3 with a LLaMA-3-style digit-grouping tokenizer); the
 tokenizer (a byte-level BPE trained here, deterministically) is `tokenizer.py`; the families' chat
 templates are `templates/*.jinja` (package data, as Hub folders ship `chat_template.jinja`).
 """
@@ -17,8 +17,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ntil_ds.tiny.gemma3 import build_gemma3
+from ntil_ds.tiny.glm4v import build_glm4v
 from ntil_ds.tiny.internvl import build_internvl
 from ntil_ds.tiny.llava import build_llava
+from ntil_ds.tiny.mistral3 import build_mistral3
+from ntil_ds.tiny.mllama import build_mllama
 from ntil_ds.tiny.qwen import (
     build_qwen2,
     build_qwen2_5_vl,
@@ -40,6 +43,9 @@ TINY_KINDS = (
     "smolvlm",
     "qwen3_vl_moe",
     "qwen3_5",
+    "mllama",
+    "glm4v",
+    "mistral3",
 )
 
 _BUILDERS: dict[str, Callable[[Path], None]] = {
@@ -53,6 +59,9 @@ _BUILDERS: dict[str, Callable[[Path], None]] = {
     "gemma3": build_gemma3,
     "smolvlm": build_smolvlm,
     "internvl": build_internvl,
+    "mllama": build_mllama,
+    "glm4v": build_glm4v,
+    "mistral3": build_mistral3,
 }
 
 # Sizes beyond the default ("tiny", what the tests use): "small" is the smallest we measured to learn the

@@ -101,3 +101,61 @@ def tiny_text_config_kwargs(tokenizer) -> dict:
         "eos_token_id": tokenizer.eos_token_id,
         "pad_token_id": tokenizer.pad_token_id,
     }
+
+
+# LLaMA-3's pre-tokenizer regex (also Llama 4's, GLM-4.xV's, and the one Mistral Small 3.1's tokenizer.json
+# ships by mistake): numbers in groups of 1-3 digits from the left ("2024" -> "202" "4").
+LLAMA3_SPLIT_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
+_GROUPED_NUMBERS = [f"{v:0{w}d}" for w in (2, 3) for v in range(10**w)]
+
+
+def train_grouped_tokenizer(special_tokens: tuple[str, ...]) -> Tokenizer:
+    """A LLaMA-3-style byte-level BPE: `LLAMA3_SPLIT_REGEX` splits the text, then byte-level BPE; the
+    vocabulary holds every number token of 1-3 digits ("0".."9", "00".."99", "000".."999"), each reached
+    by merges whatever order they are applied in, so every group of digits is one token as in LLaMA-3."""
+    import json
+
+    from tokenizers import Regex
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(LLAMA3_SPLIT_REGEX), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TINY_VOCAB_SIZE,
+        special_tokens=list(special_tokens),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    lines = [line for line in _CORPUS.strip().splitlines() for _ in range(3)]
+    tokenizer.train_from_iterator(lines, trainer=trainer)
+    state = json.loads(tokenizer.to_str())
+    vocab, merges = state["model"]["vocab"], state["model"]["merges"]
+    known = {tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in merges}
+    for number in _GROUPED_NUMBERS:  # ASCII digits are their own byte-level symbols
+        splits = [(number[:1], number[1:])] if len(number) == 2 else [(number[:1], number[1:]), (number[:2], number[2:])]
+        for pair in splits:
+            if pair not in known:
+                known.add(pair)
+                merges.append(list(pair))
+        vocab.setdefault(number, len(vocab))
+    return Tokenizer.from_str(json.dumps(state))
+
+
+def grouped_fast_tokenizer(special_tokens: tuple[str, ...], chat_template: str, **token_roles: str):
+    """`fast_tokenizer` with `train_grouped_tokenizer`'s LLaMA-3-style number grouping."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(
+        tokenizer_object=train_grouped_tokenizer(special_tokens),
+        chat_template=chat_template,
+        model_max_length=4096,
+        **token_roles,
+    )
