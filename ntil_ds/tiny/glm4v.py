@@ -91,4 +91,6 @@ def build_glm4v(out_dir: Path) -> None:
         "image_mean": image_processor.image_mean,
         "image_std": image_processor.image_std,
     }
-    save_processor_files(out_dir, tokenizer, image_processor, {"processor_class": "Glm4vProcessor"}, video_config)
+    save_processor_files(
+        out_dir, tokenizer, image_processor, {"processor_class": "Glm4vProcessor"}, video_config
+    )

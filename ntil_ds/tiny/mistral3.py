@@ -39,7 +39,12 @@ def build_mistral3(out_dir: Path) -> None:
 
     template = chat_template("mistral3")
     tokenizer = grouped_fast_tokenizer(
-        MISTRAL3_SPECIAL_TOKENS, template, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+        MISTRAL3_SPECIAL_TOKENS,
+        template,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
     )
     text = tiny_text_config_kwargs(tokenizer)
     text.update(model_type="mistral", head_dim=16, sliding_window=None)
@@ -61,7 +66,8 @@ def build_mistral3(out_dir: Path) -> None:
         tie_word_embeddings=False,
     )
     image_processor = PixtralImageProcessorPil(
-        size={"longest_edge": _MISTRAL3_IMAGE}, patch_size={"height": _MISTRAL3_PATCH, "width": _MISTRAL3_PATCH}
+        size={"longest_edge": _MISTRAL3_IMAGE},
+        patch_size={"height": _MISTRAL3_PATCH, "width": _MISTRAL3_PATCH},
     )
     # PixtralProcessor cannot be built without torchvision (CPU torch has none): its files are written
     # directly, as a Hub checkpoint has them.

@@ -58,7 +58,9 @@ def build_mllama(out_dir: Path) -> None:
         image_token_index=tokenizer.convert_tokens_to_ids("<|image|>"),
         tie_word_embeddings=False,
     )
-    image_processor = MllamaImageProcessorPil(size={"height": _MLLAMA_TILE, "width": _MLLAMA_TILE}, max_image_tiles=1)
+    image_processor = MllamaImageProcessorPil(
+        size={"height": _MLLAMA_TILE, "width": _MLLAMA_TILE}, max_image_tiles=1
+    )
     processor = MllamaProcessor(image_processor=image_processor, tokenizer=tokenizer, chat_template=template)
     config.save_pretrained(out_dir)
     processor.save_pretrained(out_dir)

@@ -140,7 +140,11 @@ def train_grouped_tokenizer(special_tokens: tuple[str, ...]) -> Tokenizer:
     vocab, merges = state["model"]["vocab"], state["model"]["merges"]
     known = {tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in merges}
     for number in _GROUPED_NUMBERS:  # ASCII digits are their own byte-level symbols
-        splits = [(number[:1], number[1:])] if len(number) == 2 else [(number[:1], number[1:]), (number[:2], number[2:])]
+        splits = (
+            [(number[:1], number[1:])]
+            if len(number) == 2
+            else [(number[:1], number[1:]), (number[:2], number[2:])]
+        )
         for pair in splits:
             if pair not in known:
                 known.add(pair)

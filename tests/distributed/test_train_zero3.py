@@ -273,6 +273,8 @@ OTHER_FAMILIES = {
     "smolvlm": 28,
     "qwen3_5": 56,
     "qwen3_vl_moe": 56,
+    "mllama": 28,  # one 28x28 tile, read by the cross-attention layer; digits grouped: grouped NTIL
+    "glm4v": 56,  # digits grouped: grouped NTIL
 }
 
 
