@@ -6,7 +6,7 @@ import torch
 from PIL import Image
 
 from ntil_ds.constants import IGNORE_INDEX
-from ntil_ds.data.dataset import PER_TOKEN_KEYS
+from ntil_ds.data.dataset import PER_TOKEN_IMAGE_KEYS, PER_TOKEN_KEYS
 from ntil_ds.data.processor import is_multimodal, tokenizer_of
 from ntil_ds.data.records import DataError
 
@@ -23,6 +23,11 @@ class Collator:
     ZeRO-3 every rank must run the same modules (each forward all-gathers the vision tower's parameters);
     a rank that skipped the vision tower would hang or crash the job. The fake tokens come after all real
     tokens of their row, so causal attention keeps them from changing any real token's output.
+
+    Cross-attention families (Llama 3.2 Vision: the processor gives a per-token `cross_attention_mask`)
+    read the images per row, so every row carries image tensors: a row without an image gets the blank
+    image's tensors and no tokens (its cross-attention mask stays 0, so the layers' outputs are masked out
+    there); the per-image dimensions are zero-padded to the batch's largest, as the processor pads a batch.
     """
 
     def __init__(self, processor, fake_image: bool = True):
@@ -32,12 +37,17 @@ class Collator:
             raise DataError("the tokenizer has neither a pad nor an eos token to pad batches with")
         self.pad_values = {"input_ids": pad_id, "targets": IGNORE_INDEX}
         self.fake_image = _fake_image_sample(processor) if fake_image and is_multimodal(processor) else None
+        # (a cross-attention family needs the blank image's tensors even with fake_image=False)
+        self.blank_row = _fake_image_sample(processor) if reads_images_per_row(processor) else None
 
     def __call__(self, samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         if not samples:
             raise ValueError("cannot collate an empty list of samples")
         samples = list(samples)
-        if self.fake_image is not None and not any(_image_keys(s) for s in samples):
+        if self.blank_row is not None:
+            blank = {k: self.blank_row[k] for k in _image_keys(self.blank_row)}
+            samples = [s if _image_keys(s) else {**s, **blank} for s in samples]
+        elif self.fake_image is not None and not any(_image_keys(s) for s in samples):
             samples[0] = _append(samples[0], self.fake_image)
         length = max(len(s["input_ids"]) for s in samples)
         batch = {}
@@ -51,9 +61,32 @@ class Collator:
                 if key in sample:
                     padded[row, : len(sample[key])] = sample[key]
             batch[key] = padded
+        for key in PER_TOKEN_IMAGE_KEYS:
+            present = [s[key] for s in samples if key in s]
+            if not present and self.blank_row is not None and key in self.blank_row:
+                present = [self.blank_row[key][:0]]  # no row has an image: all 0, the blank one unread
+            if present:  # [B, T, images, tiles]: 0 (reads nothing) for padding and rows without the key
+                shape = [max(t.shape[d] for t in present) for d in range(1, present[0].dim())]
+                padded = torch.zeros((len(samples), length, *shape), dtype=present[0].dtype)
+                for row, sample in enumerate(samples):
+                    if key in sample:
+                        padded[(row, *(slice(0, n) for n in sample[key].shape))] = sample[key]
+                batch[key] = padded
         for key in sorted({k for s in samples for k in _image_keys(s)}):
             batch[key] = _concat_images([s[key] for s in samples if key in s])
         return batch
+
+
+def reads_images_per_row(processor) -> bool:
+    """Whether the model reads each row's images through cross-attention (its processor gives a per-token
+    image key such as Llama 3.2 Vision's `cross_attention_mask`), not as image tokens in the sequence."""
+    if not is_multimodal(processor):
+        return False
+    cached = processor.__dict__.get("_ntil_reads_images_per_row")
+    if cached is None:
+        cached = any(k in PER_TOKEN_IMAGE_KEYS for k in _fake_image_sample(processor))
+        processor._ntil_reads_images_per_row = cached
+    return cached
 
 
 def _concat_images(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -73,7 +106,7 @@ def _concat_images(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _image_keys(sample: dict) -> list[str]:
-    return [k for k in sample if k not in PER_TOKEN_KEYS and k != "targets"]
+    return [k for k in sample if k not in (*PER_TOKEN_KEYS, *PER_TOKEN_IMAGE_KEYS, "targets")]
 
 
 # Image-processor settings that keep the fake image to a single tile in families that would split it
@@ -93,7 +126,8 @@ def _fake_image_sample(processor) -> dict[str, torch.Tensor]:
         add_special_tokens=False,
         **one_tile,
     )
-    sample = {k: (v[0] if k in PER_TOKEN_KEYS else v) for k, v in out.items() if isinstance(v, torch.Tensor)}
+    per_token = (*PER_TOKEN_KEYS, *PER_TOKEN_IMAGE_KEYS)
+    sample = {k: (v[0] if k in per_token else v) for k, v in out.items() if isinstance(v, torch.Tensor)}
     sample["attention_mask"] = torch.zeros_like(sample["input_ids"])
     sample["targets"] = torch.full_like(sample["input_ids"], IGNORE_INDEX)
     return sample

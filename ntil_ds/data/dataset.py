@@ -21,6 +21,9 @@ log = logging.getLogger(__name__)
 
 # Processor outputs with one value per token (batch dim first); every other output is per image.
 PER_TOKEN_KEYS = ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids")
+# Per-token tensors with more dimensions: [T, images, tiles] (Llama 3.2 Vision's cross-attention mask:
+# which image tiles each token reads). Cut and padded along the tokens as the per-token keys are.
+PER_TOKEN_IMAGE_KEYS = ("cross_attention_mask",)
 
 
 @dataclass
@@ -110,7 +113,7 @@ def processor_outputs(processor, images: list[Path], source: str, text: str, inp
         )
     sample = {}
     for key, value in out.items():
-        if key in PER_TOKEN_KEYS:
+        if key in PER_TOKEN_KEYS or key in PER_TOKEN_IMAGE_KEYS:
             sample[key] = value[0, :length]
         elif isinstance(value, torch.Tensor):
             sample[key] = value

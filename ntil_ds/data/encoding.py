@@ -133,9 +133,19 @@ def image_replacement(processor, size: tuple[int, int]) -> str:
             return_text_replacement_offsets=True,
             add_special_tokens=False,
         )
-        (replacement,) = [
-            r["replacement"] for r in out["text_replacement_offsets"][0] if r["type"] == "image"
-        ]
+        if "text_replacement_offsets" in out:
+            (replacement,) = [
+                r["replacement"] for r in out["text_replacement_offsets"][0] if r["type"] == "image"
+            ]
+        elif list(out["input_ids"][0]).count(processor.image_token_id) == 1:
+            # not expanded: Llama 3.2 Vision reads the image by cross-attention (its processor adds a bos
+            # after a text's leading image tokens, hence the count)
+            replacement = processor.image_token
+        else:
+            raise DataError(
+                f"{type(processor).__name__} neither reports how it expands an image placeholder "
+                "(return_text_replacement_offsets) nor keeps it as one token; this family is not supported"
+            )
         cache[size] = replacement
     return cache[size]
 

@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ntil_ds.constants import IGNORE_INDEX
-from ntil_ds.data.collate import _fake_image_sample, _image_keys
+from ntil_ds.data.collate import _fake_image_sample, _image_keys, reads_images_per_row
 from ntil_ds.data.dataset import PER_TOKEN_KEYS
 from ntil_ds.data.processor import is_multimodal, tokenizer_of
 from ntil_ds.data.records import DataError
@@ -102,6 +102,12 @@ class PackedCollator:
         if pad_id is None:
             raise DataError("the tokenizer has neither a pad nor an eos token to pad rows with")
         self.pad_values = {"input_ids": pad_id, "targets": IGNORE_INDEX}
+        if reads_images_per_row(processor):
+            raise DataError(
+                f"sequence packing is not supported for {type(processor).__name__}: its model reads each "
+                "row's images through cross-attention, which packed rows would mix; set "
+                "data.max_tokens_per_micro_batch=0"
+            )
         self.fake_image = _fake_image_sample(processor) if fake_image and is_multimodal(processor) else None
         self.rope_fn = rope_fn
         self.row_tokens = row_tokens
