@@ -25,9 +25,12 @@ class Collator:
     tokens of their row, so causal attention keeps them from changing any real token's output.
 
     Cross-attention families (Llama 3.2 Vision: the processor gives a per-token `cross_attention_mask`)
-    read the images per row, so every row carries image tensors: a row without an image gets the blank
-    image's tensors and no tokens (its cross-attention mask stays 0, so the layers' outputs are masked out
-    there); the per-image dimensions are zero-padded to the batch's largest, as the processor pads a batch.
+    read the images per row, so every row carries image tensors, zero-padded to the batch's most images
+    exactly as the processor pads a batch (a row without an image: all padding, cross-attention mask 0).
+    A micro-batch without any image gets the blank image's tensors in its first row, and no tokens: its
+    cross-attention mask stays 0. (transformers' Mllama then still adds the gated cross-attention output
+    over the padded or blank tiles to such rows, as in its own padded batches; only a batch given no
+    pixel_values at all skips the cross-attention layers, which ZeRO-3 cannot do on one rank alone.)
     """
 
     def __init__(self, processor, fake_image: bool = True):
@@ -46,7 +49,10 @@ class Collator:
         samples = list(samples)
         if self.blank_row is not None:
             blank = {k: self.blank_row[k] for k in _image_keys(self.blank_row)}
-            samples = [s if _image_keys(s) else {**s, **blank} for s in samples]
+            none = {k: v[:, :0] for k, v in blank.items()}  # no image: zero-padded below, as the processor pads
+            if not any(_image_keys(s) for s in samples):
+                samples[0] = {**samples[0], **blank}
+            samples = [s if _image_keys(s) else {**s, **none} for s in samples]
         elif self.fake_image is not None and not any(_image_keys(s) for s in samples):
             samples[0] = _append(samples[0], self.fake_image)
         length = max(len(s["input_ids"]) for s in samples)

@@ -285,3 +285,43 @@ def test_small_size_widens_the_text_model(tmp_path, kind):
 def test_small_size_is_refused_for_other_kinds(tmp_path):
     with pytest.raises(ValueError, match="defined for qwen2_vl and qwen2 only, not 'llava'"):
         build_tiny_model_folder("llava", tmp_path / "llava", size="small")
+
+
+def test_mllama_rows_read_their_own_images_by_cross_attention(folders, tmp_path):
+    """Llama 3.2 Vision reads images per row: the collated batch of an image line and a text line equals
+    the processor's own padded batch of the two (the text row's image slot zero-padded, its cross-attention
+    mask 0), so the logits are equal; the image row's logits depend on its image; the <|image|> placeholder
+    stays one token; a batch without images gets the blank image in row 0, unread (mask 0)."""
+    from ntil_ds.data.collate import Collator
+    from ntil_ds.data.dataset import ConversationDataset
+    from tests.distributed.training_runs import write_mixed_arithmetic_data
+
+    processor = load_processor(folders["mllama"])
+    data = write_mixed_arithmetic_data(tmp_path, n=2, image_size=28)  # line 0 with an image, line 1 without
+    dataset = ConversationDataset(data, processor, max_seq_len=128)
+    collator = Collator(processor)
+    batch = collator([dataset[0], dataset[1]])
+    batch.pop("targets")
+    image_id = processor.image_token_id
+    assert int((batch["input_ids"][0] == image_id).sum()) == 1 and not (batch["input_ids"][1] == image_id).any()
+    assert batch["pixel_values"].shape[:2] == (2, 1) and not batch["cross_attention_mask"][1].any()
+    with Image.open(dataset.conversations[0].images[0]) as image:
+        texts = [dataset._encoded[i].text for i in (0, 1)]
+        reference = processor(
+            text=texts, images=[[image.convert("RGB")], []], return_tensors="pt", padding=True, add_special_tokens=False
+        )
+    model = _build_model(folders["mllama"], "mllama")
+    with torch.no_grad():
+        for name, param in model.named_parameters():  # (the gates start at 0: opened so images show)
+            if name.endswith(("cross_attn_attn_gate", "cross_attn_mlp_gate")):
+                param.fill_(0.5)
+        logits = model(**batch).logits
+        expected = model(**{k: v for k, v in reference.items() if isinstance(v, torch.Tensor)}).logits
+        for row in (0, 1):
+            n = int(batch["attention_mask"][row].sum())
+            torch.testing.assert_close(logits[row, :n], expected[row, :n], rtol=0, atol=1e-5)
+        other = dict(batch, pixel_values=torch.randn_like(batch["pixel_values"]))
+        assert not torch.allclose(model(**other).logits[0], logits[0])
+    text_only = collator([dataset[1], dataset[1]])
+    assert text_only["pixel_values"].shape[:2] == (2, 1) and not text_only["cross_attention_mask"].any()
+    assert text_only["aspect_ratio_mask"][0].all() and not text_only["aspect_ratio_mask"][1].any()
