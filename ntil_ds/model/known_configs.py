@@ -107,6 +107,49 @@ KNOWN_CONFIGS: dict[str, dict[str, Any]] = {
                           "patch_size": 14, "projection_dim": 768},
         "tie_word_embeddings": False,
     },
+    # Llama 3.2 Vision: a tiled ViT-H/14 (32 local + 8 global layers, 4 tiles of 560 px) and Llama 3.1-8B
+    # with 8 gated cross-attention layers inserted (40 layers); the embedding holds 128256 + 8 rows.
+    "meta-llama/Llama-3.2-11B-Vision-Instruct": {
+        "model_type": "mllama",
+        "text_config": {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 40,
+                        "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+                        "cross_attention_layers": [3, 8, 13, 18, 23, 28, 33, 38], "tie_word_embeddings": False},
+        "vision_config": {"hidden_size": 1280, "intermediate_size": 5120, "num_hidden_layers": 32,
+                          "num_global_layers": 8, "attention_heads": 16, "image_size": 560, "patch_size": 14,
+                          "max_num_tiles": 4, "vision_output_dim": 7680,
+                          "intermediate_layers_indices": [3, 7, 15, 23, 30]},
+        "image_token_index": 128256,
+        "tie_word_embeddings": False,
+    },
+    # GLM-4.1V: a 24-layer ViT (2x2 merge by a strided convolution) and GLM-4-9B (partial M-RoPE)
+    "zai-org/GLM-4.1V-9B-Thinking": {
+        "model_type": "glm4v",
+        "text_config": {"hidden_size": 4096, "intermediate_size": 13696, "num_hidden_layers": 40,
+                        "num_attention_heads": 32, "num_key_value_heads": 2, "vocab_size": 151552,
+                        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                            "mrope_section": [8, 12, 12], "partial_rotary_factor": 0.5},
+                        "tie_word_embeddings": False},
+        "vision_config": {"depth": 24, "hidden_size": 1536, "intermediate_size": 13696, "num_heads": 12,
+                          "out_hidden_size": 4096, "image_size": 336, "patch_size": 14, "spatial_merge_size": 2,
+                          "temporal_patch_size": 2},
+        "tie_word_embeddings": False,
+    },
+    # Mistral Small 3.1: Pixtral's 24-layer ViT (14 px patches, up to 1540 px), a 2x2 patch merger, and
+    # Mistral-Small-24B (40 layers of width 5120, vocabulary 131072)
+    "mistralai/Mistral-Small-3.1-24B-Instruct-2503": {
+        "model_type": "mistral3",
+        "text_config": {"model_type": "mistral", "hidden_size": 5120, "intermediate_size": 32768,
+                        "num_hidden_layers": 40, "num_attention_heads": 32, "num_key_value_heads": 8,
+                        "head_dim": 128, "vocab_size": 131072, "sliding_window": None,
+                        "tie_word_embeddings": False},
+        "vision_config": {"model_type": "pixtral", "hidden_size": 1024, "intermediate_size": 4096,
+                          "num_hidden_layers": 24, "num_attention_heads": 16, "head_dim": 64,
+                          "image_size": 1540, "patch_size": 14},
+        "image_token_index": 10,
+        "spatial_merge_size": 2,
+        "multimodal_projector_bias": False,
+        "tie_word_embeddings": False,
+    },
     "Qwen/Qwen2.5-7B-Instruct": {
         "model_type": "qwen2",
         "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,

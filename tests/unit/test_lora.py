@@ -46,7 +46,7 @@ def test_adapters_go_on_the_language_model_only(folders, kind):
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     adapters = [n for n in trainable if "lora_" in n]
     # 2 layers x 7 projections x (A, B); GLM-4's MLP fuses gate_up_proj, which the default
-    # target_modules do not name (configs/train/glm4v_9b_clock.yaml adds it): 5 projections
+    # target_modules do not name (a GLM-4.1V LoRA recipe adds gate_up_proj): 5 projections
     assert len(adapters) == 2 * (5 if kind == "glm4v" else 7) * 2, adapters
     assert kind == "qwen2" or all(model_part(n) == "language_model" for n in adapters), adapters
     full = {n.split(".modules_to_save.")[0] for n in trainable if "lora_" not in n}

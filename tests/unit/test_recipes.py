@@ -34,6 +34,9 @@ TINY_STAND_IN = {
     "google/gemma-3-4b-it": "gemma3",
     "OpenGVLab/InternVL3-8B-hf": "internvl",
     "HuggingFaceTB/SmolVLM2-2.2B-Instruct": "smolvlm",
+    "meta-llama/Llama-3.2-11B-Vision-Instruct": "mllama",
+    "zai-org/GLM-4.1V-9B-Thinking": "glm4v",
+    "mistralai/Mistral-Small-3.1-24B-Instruct-2503": "mistral3",
 }
 
 # Keys the recipe owns (ds_config.merge_deepspeed_config sets them); a JSON must not carry them.
