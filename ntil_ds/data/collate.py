@@ -49,7 +49,9 @@ class Collator:
         samples = list(samples)
         if self.blank_row is not None:
             blank = {k: self.blank_row[k] for k in _image_keys(self.blank_row)}
-            none = {k: v[:, :0] for k, v in blank.items()}  # no image: zero-padded below, as the processor pads
+            none = {
+                k: v[:, :0] for k, v in blank.items()
+            }  # no image: zero-padded below, as the processor pads
             if not any(_image_keys(s) for s in samples):
                 samples[0] = {**samples[0], **blank}
             samples = [s if _image_keys(s) else {**s, **none} for s in samples]

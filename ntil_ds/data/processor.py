@@ -41,8 +41,57 @@ def load_processor(model_dir: str | Path):
             **_processor_settings(model_dir, processor_class),
         )
         processor.source_dir = model_dir  # (not saved: only __init__ arguments are)
-        return processor
-    return AutoProcessor.from_pretrained(model_dir)
+    else:
+        processor = AutoProcessor.from_pretrained(model_dir)
+    fix_mistral_regex(tokenizer_of(processor), model_dir)
+    return processor
+
+
+# The model types whose tokenizer.json may carry the LLaMA-3 digit-grouping regex although the model was
+# trained with one digit per token (the list transformers checks for its fix_mistral_regex).
+MISTRAL_REGEX_TYPES = ("mistral", "mistral3", "voxtral", "ministral", "pixtral")
+
+
+def fix_mistral_regex(tokenizer, model_dir: str | Path) -> bool:
+    """Give a Mistral-family tokenizer whose tokenizer.json groups digits (the LLaMA-3 regex: Mistral Small
+    3.1 / Pixtral ship it by mistake) the one-digit-per-token split its model was trained with, as
+    ``AutoTokenizer.from_pretrained(..., fix_mistral_regex=True)`` does (transformers' own patch, applied
+    here whatever the vocabulary size: transformers only looks at tokenizers of more than 100,000 tokens,
+    and only when asked). Logs what it did; True when it changed the tokenizer."""
+    import logging
+
+    from ntil_ds.loss.tokenizer import probe_number_tokenization
+
+    try:
+        model_type = json.loads((Path(model_dir) / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        return False
+    if model_type not in MISTRAL_REGEX_TYPES or getattr(tokenizer, "fix_mistral_regex", None) is True:
+        return False
+    import warnings
+
+    with warnings.catch_warnings():  # (the probe warns about exactly this case: fixed here instead)
+        warnings.simplefilter("ignore")
+        if probe_number_tokenization(tokenizer).kind != "grouped":
+            return False
+    tokenizer.fix_mistral_regex = False  # transformers' patch applies only to a tokenizer so flagged...
+    tokenizer._tokenizer = type(tokenizer)._patch_mistral_regex(
+        tokenizer._tokenizer, str(model_dir), is_local=True, fix_mistral_regex=True
+    )
+    found = probe_number_tokenization(tokenizer)
+    if found.kind != "single":
+        raise ValueError(
+            f"the tokenizer of {model_dir} (model_type {model_type!r}) groups digits and transformers' "
+            "fix_mistral_regex did not make it write one digit per token; check its tokenizer.json"
+        )
+    tokenizer.fix_mistral_regex = True  # ...and records that it is fixed (saved with the tokenizer)
+    logging.getLogger(__name__).warning(
+        "%s: model_type %r, but its tokenizer.json carries the LLaMA-3 digit-grouping regex; loaded with "
+        "fix_mistral_regex=True, so numbers are one digit per token, as the model was trained",
+        model_dir,
+        model_type,
+    )
+    return True
 
 
 def is_multimodal(processor) -> bool:

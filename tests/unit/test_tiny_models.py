@@ -184,7 +184,8 @@ def test_llava_and_text_folders_load_with_stock_auto_classes(folders):
 
 @pytest.mark.parametrize("kind", TINY_KINDS)
 def test_tokenizer_spells_digits_and_encodes_any_ascii(folders, kind):
-    # (PixtralProcessor needs torchvision, which CPU torch lacks: mistral3's tokenizer is read alone)
+    # (PixtralProcessor needs torchvision, which CPU torch lacks: mistral3's tokenizer is read alone, as
+    # loaded: the trap; test_mistral3_tokenizer_is_fixed_to_single_digits checks the fix)
     folder = folders[kind]
     tokenizer = (
         AutoTokenizer.from_pretrained(folder) if kind == "mistral3" else tokenizer_of(load_processor(folder))
@@ -303,12 +304,18 @@ def test_mllama_rows_read_their_own_images_by_cross_attention(folders, tmp_path)
     batch = collator([dataset[0], dataset[1]])
     batch.pop("targets")
     image_id = processor.image_token_id
-    assert int((batch["input_ids"][0] == image_id).sum()) == 1 and not (batch["input_ids"][1] == image_id).any()
+    assert (
+        int((batch["input_ids"][0] == image_id).sum()) == 1 and not (batch["input_ids"][1] == image_id).any()
+    )
     assert batch["pixel_values"].shape[:2] == (2, 1) and not batch["cross_attention_mask"][1].any()
     with Image.open(dataset.conversations[0].images[0]) as image:
         texts = [dataset._encoded[i].text for i in (0, 1)]
         reference = processor(
-            text=texts, images=[[image.convert("RGB")], []], return_tensors="pt", padding=True, add_special_tokens=False
+            text=texts,
+            images=[[image.convert("RGB")], []],
+            return_tensors="pt",
+            padding=True,
+            add_special_tokens=False,
         )
     model = _build_model(folders["mllama"], "mllama")
     with torch.no_grad():
@@ -325,3 +332,34 @@ def test_mllama_rows_read_their_own_images_by_cross_attention(folders, tmp_path)
     text_only = collator([dataset[1], dataset[1]])
     assert text_only["pixel_values"].shape[:2] == (2, 1) and not text_only["cross_attention_mask"].any()
     assert text_only["aspect_ratio_mask"][0].all() and not text_only["aspect_ratio_mask"][1].any()
+
+
+def test_mistral3_tokenizer_is_fixed_to_single_digits(folders, caplog):
+    """The tiny Mistral Small 3.1 folder's tokenizer.json carries the LLaMA-3 regex, as the real one does:
+    as loaded it groups digits and the probe says so, with the fix_mistral_regex note; the data pipeline's
+    fix (load_processor applies it) makes it one digit per token, says so, and the fix survives saving."""
+    from ntil_ds.data.processor import fix_mistral_regex
+    from ntil_ds.loss.tokenizer import probe_number_tokenization
+
+    folder = folders["mistral3"]
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    with pytest.warns(UserWarning, match="fix_mistral_regex=True"):
+        assert probe_number_tokenization(tokenizer).kind == "grouped"
+    with caplog.at_level("WARNING"):
+        assert fix_mistral_regex(tokenizer, folder)
+    assert "loaded with fix_mistral_regex=True" in caplog.text
+    found = probe_number_tokenization(tokenizer)
+    assert (found.kind, found.note) == ("single", "")
+    ids = tokenizer("Year 2026: 12345.", add_special_tokens=False)["input_ids"]
+    assert [t for t in tokenizer.convert_ids_to_tokens(ids) if t.isdigit()] == list("2026") + list("12345")
+    assert not fix_mistral_regex(tokenizer, folder)  # once is enough
+    tokenizer.save_pretrained(saved := folder.parent / "mistral3_saved")
+    again = AutoTokenizer.from_pretrained(saved)
+    assert (
+        again("2026", add_special_tokens=False)["input_ids"]
+        == tokenizer("2026", add_special_tokens=False)["input_ids"]
+    )
+    for kind in ("mllama", "glm4v"):  # grouped tokenizers of families trained so: left as they are
+        other = AutoTokenizer.from_pretrained(folders[kind])
+        assert not fix_mistral_regex(other, folders[kind])
+        assert probe_number_tokenization(other).kind == "grouped"
