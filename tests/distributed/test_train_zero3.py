@@ -273,6 +273,8 @@ OTHER_FAMILIES = {
     "smolvlm": 28,
     "qwen3_5": 56,
     "qwen3_vl_moe": 56,
+    "qwen3_5_moe": 56,
+    "glm4v_moe": 56,  # digits grouped: grouped NTIL
 }
 
 
@@ -280,7 +282,8 @@ OTHER_FAMILIES = {
 @pytest.mark.parametrize("kind", sorted(OTHER_FAMILIES))
 def test_other_families_ntil_loss_falls_and_export_reloads(tmp_path, kind):
     """The same job on LLaVA, Qwen3-VL, Gemma 3, InternVL, SmolVLM, Qwen3.5 (hybrid attention) and
-    Qwen3-VL-MoE (its aux loss at the family's coefficient): mixed text/image batches, 2 ranks,
+    Qwen3-VL-MoE, Qwen3.5-MoE (hybrid attention and experts) and GLM-4.5V (experts; its tokenizer groups
+    digits, so the grouped NTIL loss trains it), each MoE with its aux loss at the family's coefficient: mixed text/image batches, 2 ranks,
     ZeRO-3; the export loads with plain from_pretrained (no missing or unexpected weights) and holds the
     trained masters."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
