@@ -34,6 +34,9 @@ TINY_STAND_IN = {
     "google/gemma-3-4b-it": "gemma3",
     "OpenGVLab/InternVL3-8B-hf": "internvl",
     "HuggingFaceTB/SmolVLM2-2.2B-Instruct": "smolvlm",
+    "Qwen/Qwen3.5-35B-A3B": "qwen3_5_moe",
+    "Qwen/Qwen3.5-27B": "qwen3_5",
+    "zai-org/GLM-4.5V": "glm4v_moe",
 }
 
 # Keys the recipe owns (ds_config.merge_deepspeed_config sets them); a JSON must not carry them.
