@@ -246,7 +246,9 @@ def activation_bytes_per_token(hf_config: Any, dtype: str, checkpointing: bool) 
             _ACT_PER_EXPERT_MLP * k * width + _ACT_PER_EXPERT_INPUT * k * h + _ACT_PER_ROUTER_LOGIT * experts
         )
         # a shared expert (Qwen3.5-MoE, GLM-4.5V) is a dense MLP beside them (not measured on its own)
-        shared = getattr(text, "shared_expert_intermediate_size", 0) or width * getattr(text, "n_shared_experts", 0)
+        shared = getattr(text, "shared_expert_intermediate_size", 0) or width * getattr(
+            text, "n_shared_experts", 0
+        )
         mlp += _ACT_PER_MLP * shared
     per_layer = (_ACT_PER_HIDDEN * h + _ACT_PER_KV * kv + mlp) * scale
     if checkpointing:

@@ -37,7 +37,9 @@ def build_glm4v_moe(out_dir: Path) -> None:
     text = {**dense["text_config"], **_GLM4V_MOE_TEXT}
     for key in ("model_type", "architectures", "transformers_version", "dtype"):
         text.pop(key, None)
-    vision = {k: v for k, v in dense["vision_config"].items() if k not in ("model_type", "transformers_version")}
+    vision = {
+        k: v for k, v in dense["vision_config"].items() if k not in ("model_type", "transformers_version")
+    }
     ids = {k: dense[k] for k in dense if k.endswith("_token_id") and k not in ("pad_token_id",)}
     config = Glm4vMoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=False, **ids)
     config.save_pretrained(out_dir)
