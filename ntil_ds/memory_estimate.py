@@ -59,7 +59,7 @@ from ntil_ds.loss.tokenizer import DIGITS
 from ntil_ds.model.known_configs import KNOWN_CONFIGS
 from ntil_ds.model.loading import freeze_parts
 from ntil_ds.model.lora import apply_lora
-from ntil_ds.model.parts import auto_model_class, num_experts
+from ntil_ds.model.parts import auto_model_class, expert_modules, num_experts, text_config_of
 from ntil_ds.model.quantize import is_quantized_linear
 
 GIB = 2**30
@@ -96,6 +96,22 @@ class ParamCounts:
     trainable: int
     largest_module: int  # the most parameters any single module holds itself (DeepSpeed's "largest layer")
     quantized: int = 0  # QLoRA: frozen linear weights stored in 4 bits
+    # mixture of experts (0 for a dense model): the parameters one token's forward uses (every
+    # parameter but the routed experts it is not sent to), and one layer's fused expert block, which
+    # ZeRO-3 partitions like any parameter and gathers whole when the layer runs
+    active: int = 0
+    expert_block: int = 0
+
+
+def expert_parameter_counts(model: nn.Module, hf_config: Any) -> tuple[int, int]:
+    """``(parameters a token's forward leaves out, the largest expert block)`` of a MoE model (0, 0 when
+    dense): each fused expert module holds ``E`` experts of which a token uses ``top_k``."""
+    experts = num_experts(hf_config)
+    if not experts:
+        return 0, 0
+    top_k = text_config_of(hf_config).num_experts_per_tok
+    blocks = [sum(p.numel() for p in m.parameters(recurse=False)) for m in expert_modules(model)]
+    return sum(b * (experts - top_k) // experts for b in blocks), max(blocks, default=0)
 
 
 def count_parameters(cfg: Config) -> tuple[ParamCounts, Any]:
@@ -104,6 +120,7 @@ def count_parameters(cfg: Config) -> tuple[ParamCounts, Any]:
     auto_class = auto_model_class(cfg.model.kind, hf_config)
     with torch.device("meta"):
         model = auto_class.from_config(hf_config)
+    unused_experts, expert_block = expert_parameter_counts(model, hf_config)
     quantized = 0
     if cfg.lora.enabled:
         if cfg.lora.quantize == "nf4":  # the language model's linear layers (the rule the 4-bit load follows)
@@ -123,7 +140,8 @@ def count_parameters(cfg: Config) -> tuple[ParamCounts, Any]:
     total = sum(p.numel() for p in unique)
     trainable = sum(p.numel() for p in unique if p.requires_grad)
     largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
-    return ParamCounts(total, trainable, largest, quantized), hf_config
+    active = total - unused_experts if expert_block else 0
+    return ParamCounts(total, trainable, largest, quantized, active, expert_block), hf_config
 
 
 @dataclass
@@ -144,6 +162,7 @@ class Estimate:
     offload: str
     method: str
     gradient_checkpointing: bool
+    dtype: str = "bfloat16"
 
     @property
     def total(self) -> float:
@@ -186,8 +205,14 @@ class Estimate:
             f"{self.method}, ZeRO-{self.stage}{' + ' + self.offload + ' offload' if self.offload != 'none' else ''}, "
             f"{self.gpus} GPUs x {self.gpu_memory_gb:g} GB",
             f"parameters {c.total / 1e9:.2f} B, trainable {c.trainable / 1e9:.3f} B"
-            + (f", 4-bit {c.quantized / 1e9:.2f} B" if c.quantized else ""),
+            + (f", 4-bit {c.quantized / 1e9:.2f} B" if c.quantized else "")
+            + (f", active per token {c.active / 1e9:.2f} B" if c.expert_block else ""),
         ]
+        if c.expert_block:  # ZeRO-3 partitions it over the GPUs; a layer's forward gathers it whole
+            lines.append(
+                f"  one layer's expert block: {c.expert_block / 1e6:.1f} M parameters, "
+                f"{c.expert_block * _dtype_bytes(self.dtype) / GIB:.2f} GiB gathered"
+            )
         lines += [f"  {name:<40} {value / GIB:8.2f} GiB" for name, value in rows]
         lines.append(f"  {'total per GPU':<40} {self.total / GIB:8.2f} GiB")
         lines.append(
@@ -208,7 +233,7 @@ def _dtype_bytes(dtype: str) -> int:
 def activation_bytes_per_token(hf_config: Any, dtype: str, checkpointing: bool) -> tuple[float, float]:
     """``(kept for backward per token over all layers, one layer's full set per token)``."""
     text = hf_config.get_text_config()
-    h, i, layers = text.hidden_size, text.intermediate_size, text.num_hidden_layers
+    h, i, layers = text.hidden_size, getattr(text, "intermediate_size", 0), text.num_hidden_layers
     head_dim = getattr(text, "head_dim", None) or h // text.num_attention_heads
     kv = (getattr(text, "num_key_value_heads", None) or text.num_attention_heads) * head_dim  # width of k
     scale = _dtype_bytes(dtype) / 2
@@ -220,6 +245,11 @@ def activation_bytes_per_token(hf_config: Any, dtype: str, checkpointing: bool) 
         mlp = (
             _ACT_PER_EXPERT_MLP * k * width + _ACT_PER_EXPERT_INPUT * k * h + _ACT_PER_ROUTER_LOGIT * experts
         )
+        # a shared expert (Qwen3.5-MoE, GLM-4.5V) is a dense MLP beside them (not measured on its own)
+        shared = getattr(text, "shared_expert_intermediate_size", 0) or width * getattr(
+            text, "n_shared_experts", 0
+        )
+        mlp += _ACT_PER_MLP * shared
     per_layer = (_ACT_PER_HIDDEN * h + _ACT_PER_KV * kv + mlp) * scale
     if checkpointing:
         return layers * 2 * h * scale, per_layer
@@ -292,6 +322,7 @@ def estimate(cfg: Config, ds_json: dict[str, Any], gpus: int, gpu_memory_gb: flo
         offload=offload,
         method=method,
         gradient_checkpointing=ckpt,
+        dtype=cfg.model.dtype,
     )
 
 

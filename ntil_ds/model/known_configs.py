@@ -155,4 +155,46 @@ KNOWN_CONFIGS: dict[str, dict[str, Any]] = {
         "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
         "num_key_value_heads": 4, "vocab_size": 152064, "tie_word_embeddings": False,
     },
+    # Qwen3.5-MoE: 40 layers, 3 Gated DeltaNet to 1 full attention; 256 experts of width 512, 8 per token,
+    # plus a shared expert of width 512; Qwen3-VL's vision tower (35B total, 3B active).
+    "Qwen/Qwen3.5-35B-A3B": {
+        "model_type": "qwen3_5_moe",
+        "text_config": {"hidden_size": 2048, "num_hidden_layers": 40, "num_attention_heads": 16,
+                        "num_key_value_heads": 2, "head_dim": 256, "linear_conv_kernel_dim": 4,
+                        "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_num_key_heads": 16,
+                        "linear_num_value_heads": 32, "num_experts": 256, "num_experts_per_tok": 8,
+                        "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+                        "vocab_size": 248320, "tie_word_embeddings": False},
+        "vision_config": {"depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "num_heads": 16,
+                          "out_hidden_size": 2048, "patch_size": 16, "spatial_merge_size": 2,
+                          "num_position_embeddings": 2304},
+        "tie_word_embeddings": False,
+    },
+    # Qwen3.5 dense: 64 layers, 3 Gated DeltaNet to 1 full attention.
+    "Qwen/Qwen3.5-27B": {
+        "model_type": "qwen3_5",
+        "text_config": {"hidden_size": 5120, "intermediate_size": 17408, "num_hidden_layers": 64,
+                        "num_attention_heads": 24, "num_key_value_heads": 4, "head_dim": 256,
+                        "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+                        "linear_num_key_heads": 16, "linear_num_value_heads": 48, "vocab_size": 248320,
+                        "tie_word_embeddings": False},
+        "vision_config": {"depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "num_heads": 16,
+                          "out_hidden_size": 5120, "patch_size": 16, "spatial_merge_size": 2,
+                          "num_position_embeddings": 2304},
+        "tie_word_embeddings": False,
+    },
+    # GLM-4.5V: GLM-4.5-Air's text model (46 layers, the first dense; 128 routed experts of width 1408, 8 per
+    # token, 1 shared; 96 query heads of 128) and GLM-4.1V's vision tower (108B total, 12B active).
+    "zai-org/GLM-4.5V": {
+        "model_type": "glm4v_moe",
+        "text_config": {"hidden_size": 4096, "intermediate_size": 10944, "num_hidden_layers": 46,
+                        "num_attention_heads": 96, "num_key_value_heads": 8, "head_dim": 128,
+                        "attention_bias": True, "n_routed_experts": 128, "num_experts_per_tok": 8,
+                        "n_shared_experts": 1, "moe_intermediate_size": 1408, "first_k_dense_replace": 1,
+                        "vocab_size": 151552, "tie_word_embeddings": False},
+        "vision_config": {"depth": 24, "hidden_size": 1536, "intermediate_size": 10944, "num_heads": 12,
+                          "out_hidden_size": 4096, "patch_size": 14, "spatial_merge_size": 2,
+                          "image_size": 336},
+        "tie_word_embeddings": False,
+    },
 }  # fmt: skip

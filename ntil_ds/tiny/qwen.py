@@ -1,4 +1,4 @@
-"""Tiny Qwen folders: Qwen2 (text only), Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE and Qwen3.5.
+"""Tiny Qwen folders: Qwen2 (text only), Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5 and Qwen3.5-MoE.
 
 The VL families share the tokenizer, the processor files and the 2x2 patch merge; each differs in its
 vision tower and rotary settings. Chat templates (``templates/``): Qwen2-VL / Qwen2.5-VL's real one
@@ -146,6 +146,23 @@ def build_qwen3_vl_moe(out_dir: Path) -> None:
     _build_qwen3_vl_like(out_dir, Qwen3VLMoeConfig, **_QWEN3_VL_MOE_TEXT)
 
 
+def build_qwen3_5_moe(out_dir: Path) -> None:
+    """Qwen3.5-MoE (Qwen3.5-35B-A3B, -397B-A17B): Qwen3.5's hybrid attention (one Gated DeltaNet and one
+    full-attention layer) with every MLP a mixture of experts: 4 routed experts, 2 per token (the real
+    35B-A3B: 256 and 8), plus the sigmoid-gated shared expert."""
+    from transformers import Qwen3_5MoeConfig
+
+    _build_qwen3_5_like(
+        out_dir,
+        Qwen3_5MoeConfig,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=24,
+        shared_expert_intermediate_size=24,
+        router_aux_loss_coef=0.001,
+    )
+
+
 def build_qwen3_5(out_dir: Path) -> None:
     """Qwen3.5 (dense, e.g. Qwen3.5-27B): Qwen3-VL's processor, template and vision tower (without
     deepstack); the text model alternates Gated DeltaNet (linear attention) and full-attention layers (the
@@ -153,9 +170,14 @@ def build_qwen3_5(out_dir: Path) -> None:
     sections sum to 4)."""
     from transformers import Qwen3_5Config
 
+    _build_qwen3_5_like(out_dir, Qwen3_5Config)
+
+
+def _build_qwen3_5_like(out_dir: Path, config_class: type, **text_fields) -> None:
+    """A tiny Qwen3.5-style folder of `config_class` (Qwen3.5 or Qwen3.5-MoE)."""
     _build_qwen3_vl_like(
         out_dir,
-        Qwen3_5Config,
+        config_class,
         rope={
             "rope_type": "default",
             "rope_theta": 10000000.0,
@@ -171,6 +193,7 @@ def build_qwen3_5(out_dir: Path) -> None:
         linear_value_head_dim=16,
         linear_num_key_heads=2,
         linear_num_value_heads=4,
+        **text_fields,
     )
 
 

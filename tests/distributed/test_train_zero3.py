@@ -275,6 +275,8 @@ OTHER_FAMILIES = {
     "qwen3_vl_moe": 56,
     "mllama": 28,  # one 28x28 tile, read by the cross-attention layer; digits grouped: grouped NTIL
     "glm4v": 56,  # digits grouped: grouped NTIL
+    "qwen3_5_moe": 56,
+    "glm4v_moe": 56,  # digits grouped: grouped NTIL
 }
 
 
@@ -282,7 +284,8 @@ OTHER_FAMILIES = {
 @pytest.mark.parametrize("kind", sorted(OTHER_FAMILIES))
 def test_other_families_ntil_loss_falls_and_export_reloads(tmp_path, kind):
     """The same job on LLaVA, Qwen3-VL, Gemma 3, InternVL, SmolVLM, Qwen3.5 (hybrid attention) and
-    Qwen3-VL-MoE (its aux loss at the family's coefficient): mixed text/image batches, 2 ranks,
+    Qwen3-VL-MoE, Qwen3.5-MoE (hybrid attention and experts) and GLM-4.5V (experts; its tokenizer groups
+    digits, so the grouped NTIL loss trains it), each MoE with its aux loss at the family's coefficient: mixed text/image batches, 2 ranks,
     ZeRO-3; the export loads with plain from_pretrained (no missing or unexpected weights) and holds the
     trained masters."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint

@@ -60,6 +60,11 @@ PUBLISHED_B = {
     "HuggingFaceTB/SmolVLM2-2.2B-Instruct": 2.25,
     "llava-hf/llava-1.5-7b-hf": 7.06,
     "Qwen/Qwen2.5-7B-Instruct": 7.62,
+    # model cards: "35B" / "27B" / "108B" total; these are our counts of the shipped dimensions (offline:
+    # not checked against the Hub's safetensors totals, which include the MTP layers transformers drops)
+    "Qwen/Qwen3.5-35B-A3B": 35.107,
+    "Qwen/Qwen3.5-27B": 27.357,
+    "zai-org/GLM-4.5V": 107.711,
 }
 
 
@@ -339,3 +344,46 @@ def test_cli_prints_the_breakdown_and_exits_by_fit(capsys):
 
 def test_local_folder_config_is_read(tiny):
     assert hf_config_for(str(tiny["gemma3"])).model_type == "gemma3"
+
+
+def _sparse_layers(text) -> int:
+    """MoE layers of a text config, by the family's own field (GLM: the first k layers are dense)."""
+    return text.num_hidden_layers - getattr(text, "first_k_dense_replace", 0)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_vl_moe", "qwen3_5_moe", "glm4v_moe"])
+def test_moe_total_and_active_parameters_against_the_real_model(tmp_path, kind):
+    """Total: the numel of the real tiny model's parameters. Active (a token's forward): the total less
+    the routed experts it is not sent to, by hand from the config: per MoE layer E - k experts of
+    gate_up (2 w x h) and down (h x w). The expert block: one layer's E experts, what ZeRO-3 gathers."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    folder = build_tiny_model_folder(kind, tmp_path / kind)
+    config = AutoConfig.from_pretrained(folder)
+    model = AutoModelForImageTextToText.from_config(config)
+    text = config.text_config
+    experts = getattr(text, "num_experts", None) or text.n_routed_experts
+    h, w, k = text.hidden_size, text.moe_intermediate_size, text.num_experts_per_tok
+    per_expert = 3 * h * w
+    total = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    counts, _ = count_parameters(_cfg(folder))
+    assert counts.total == total
+    assert counts.active == total - _sparse_layers(text) * (experts - k) * per_expert
+    assert counts.expert_block == experts * per_expert
+    assert 0 < counts.active < counts.total
+
+
+def test_dense_models_report_no_active_count(tiny):
+    counts, _ = count_parameters(_cfg(tiny["qwen2_vl"]))
+    assert (counts.active, counts.expert_block) == (0, 0)
+
+
+def test_cli_reports_active_parameters_and_the_expert_block(capsys):
+    from launch.estimate import main
+
+    main(["configs/train/qwen3vl_30b_a3b_clock.yaml", "--gpus", "16", "--gpu-memory-gb", "80"])
+    out = capsys.readouterr().out
+    # 128 experts x 3 x 2048 x 768 in bf16 per layer; 48 layers x 120 idle experts left out per token
+    assert "one layer's expert block: 604.0 M parameters, 1.12 GiB gathered" in out
+    total = 31_070_754_032
+    assert f"active per token {(total - 48 * 120 * 3 * 2048 * 768) / 1e9:.2f} B" in out

@@ -37,6 +37,9 @@ TINY_STAND_IN = {
     "meta-llama/Llama-3.2-11B-Vision-Instruct": "mllama",
     "zai-org/GLM-4.1V-9B-Thinking": "glm4v",
     "mistralai/Mistral-Small-3.1-24B-Instruct-2503": "mistral3",
+    "Qwen/Qwen3.5-35B-A3B": "qwen3_5_moe",
+    "Qwen/Qwen3.5-27B": "qwen3_5",
+    "zai-org/GLM-4.5V": "glm4v_moe",
 }
 
 # Keys the recipe owns (ds_config.merge_deepspeed_config sets them); a JSON must not carry them.
