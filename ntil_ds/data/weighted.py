@@ -9,10 +9,11 @@ give), and source s gives q_s of them: p_s * M rounded by largest remainder, so 
 exactly (a source whose share rounds to none is refused). Within a source, samples are drawn without
 replacement: its draws are one endless stream of passes, each pass a permutation of its n_s samples
 seeded by (seed, s, pass) (in order when data.shuffle=false), and epoch e takes draws e*q_s ..
-(e+1)*q_s - 1 of it. So at any point the draw counts of one source's samples differ by at most one
-(without replacement): a source with q_s > n_s is gone through q_s/n_s times per epoch (upsampled), one with q_s < n_s
-gives a different part of itself each epoch and all of itself every n_s/q_s epochs (downsampled). The epoch's M draws are then shuffled together, seeded by
-(seed, epoch) (data.shuffle=false: interleaved evenly, draw j of source s at (j + 1/2) / q_s).
+(e+1)*q_s - 1 of it. So at any point the draw counts of one source's samples differ by at most one: a
+source with q_s > n_s is gone through q_s/n_s times per epoch (upsampled), one with q_s < n_s gives a
+different part of itself each epoch and all of itself every n_s/q_s epochs (downsampled). The epoch's
+M draws are then shuffled together, seeded by (seed, epoch) (data.shuffle=false: interleaved evenly,
+draw j of source s at (j + 1/2) / q_s).
 
 The order is a function of (seed, epoch) only, so `ResumableDistributedSampler` shards and resumes it
 as it does a single data set's permutation: the same samples in the same order after a resume.
