@@ -110,8 +110,20 @@ class LossConfig:
 
 
 @dataclass
+class MixtureSource:
+    """One entry of data.mixture: a data file (or folder) and its share of each epoch."""
+
+    file: str = ""
+    weight: float = 1.0
+
+
+@dataclass
 class DataConfig:
+    # A JSONL file, a .parquet file, a folder of .parquet shards or a save_to_disk folder (docs/data.md).
     train_file: str = ""
+    # Instead of train_file: several sources, each a share of every epoch proportional to its weight
+    # (ntil_ds/data/weighted.py, docs/data.md), e.g. [{file: a.jsonl, weight: 0.7}, {file: b.parquet, weight: 0.3}].
+    mixture: list[MixtureSource] = field(default_factory=list)
     eval_file: str = ""  # empty: no evaluation during training
     max_seq_len: int = 2048
     on_bad_sample: Literal["error", "skip"] = "error"
@@ -254,8 +266,16 @@ def validate(cfg: Config) -> None:
     """Cross-field checks. World-size dependent checks: :func:`gradient_accumulation_steps`."""
     if not cfg.model.name_or_path:
         raise ConfigError("model.name_or_path is required (a hub id or a local model folder)")
-    if not cfg.data.train_file:
-        raise ConfigError("data.train_file is required (a JSONL file; see docs/data.md)")
+    if not cfg.data.train_file and not cfg.data.mixture:
+        raise ConfigError(
+            "data.train_file is required (a JSONL file, a .parquet file, a folder of .parquet shards or a "
+            "save_to_disk folder; see docs/data.md), or data.mixture (several of them, with weights)"
+        )
+    if cfg.data.train_file and cfg.data.mixture:
+        raise ConfigError("give data.train_file or data.mixture, not both")
+    for i, source in enumerate(cfg.data.mixture):
+        if not source.file or not source.weight > 0:
+            raise ConfigError(f"data.mixture[{i}] needs a file and a weight > 0, got {source}")
     positive = {
         "train.max_steps": cfg.train.max_steps,
         "train.micro_batch_size": cfg.train.micro_batch_size,

@@ -35,9 +35,10 @@ from ntil_ds.checkpoint import (
 from ntil_ds.config import Config, flatten, gradient_accumulation_steps, save_config
 from ntil_ds.data import Collator, ResumableDistributedSampler, load_processor, tokenizer_of
 from ntil_ds.data.batch import MicroBatch
-from ntil_ds.data.cached_dataset import AnyConversationDataset, load_dataset
+from ntil_ds.data.cached_dataset import AnyConversationDataset
 from ntil_ds.data.packing import PackedCollator
 from ntil_ds.data.steps import StepBatches, step_loader
+from ntil_ds.data.weighted import WeightedSources, load_weighted
 from ntil_ds.dist import (
     DistInfo,
     all_reduce_host_sums,
@@ -112,7 +113,7 @@ class Trainer:
         self.processor = load_processor(cfg.model.processor or cfg.model.name_or_path)
         loss_fn = build_loss(cfg, tokenizer_of(self.processor))
         # Data before the model: a bad line fails in seconds, not after a 7B model is loaded.
-        self.train_data = self._dataset(cfg.data.train_file)
+        self.train_data = self._dataset(cfg.data.train_file, cfg.data.mixture)
         self.eval_data = self._dataset(cfg.data.eval_file) if cfg.data.eval_file else None
         # Same seed on every rank: random init is identical everywhere (ZeRO-3 keeps one slice each).
         _seed_everything(cfg.train.seed)
@@ -142,8 +143,8 @@ class Trainer:
 
         self.collator = Collator(self.processor, fake_image=cfg.data.fake_image)
         self.train_collator = self._train_collator()
-        self.sampler = ResumableDistributedSampler(
-            len(self.train_data),
+        self.sampler = ResumableDistributedSampler.for_dataset(
+            self.train_data,
             dp_rank=dist_info.dp_rank,
             dp_size=dist_info.dp_size,
             seed=cfg.train.seed,
@@ -329,11 +330,11 @@ class Trainer:
     # ------------------------------------------------------------------------------------------------
     # Building and bookkeeping
 
-    def _dataset(self, path: str) -> AnyConversationDataset:
+    def _dataset(self, path: str, mixture=()) -> AnyConversationDataset | WeightedSources:
         d = self.cfg.data  # encoded once into the cache by the main rank, mapped by all (data/cache.py)
-        data = load_dataset(path, self.processor, d.max_seq_len, d.on_bad_sample, cache=d.cache,
-                            cache_dir=d.cache_dir, output_dir=self.output_dir, is_main=self.dist.is_main,
-                            barrier=barrier)  # fmt: skip
+        data = load_weighted([(path, 1.0)] if path else [(m.file, m.weight) for m in mixture], self.processor,
+                             d.max_seq_len, d.on_bad_sample, cache=d.cache, cache_dir=d.cache_dir,
+                             output_dir=self.output_dir, is_main=self.dist.is_main, barrier=barrier)  # fmt: skip
         if self.dist.is_main:
             log.info("data: %s", data.report.summary())
         return data

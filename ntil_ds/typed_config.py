@@ -1,7 +1,7 @@
 """Strict typed trees of dataclasses from YAML and ``key=value`` overrides; no project knowledge.
 
 Every key must be a field (an unknown key is an error with a "did you mean"), every value must have the
-field's type (``Literal`` choices, bool, int, float, str and their unions; YAML 1.1's "1e-5" read as a
+field's type (``Literal`` choices, bool, int, float, str, their unions and lists (of dataclasses too); YAML 1.1's "1e-5" read as a
 number), and each error names the dotted key. ``ntil_ds.config`` is the schema built on it.
 """
 
@@ -64,6 +64,13 @@ def build(cls: type, raw: Any, prefix: str = "") -> Any:
 
 def _coerce(value: Any, hint: Any, key: str) -> Any:
     origin = typing.get_origin(hint)
+    if origin is list:  # a list of one dataclass, each item built strictly like a section
+        (item,) = typing.get_args(hint)
+        if not isinstance(value, list):
+            raise ConfigError(f"{key} must be a list (in YAML: one '- ...' entry per item)")
+        if dataclasses.is_dataclass(item):
+            return [build(item, entry, prefix=f"{key}[{i}].") for i, entry in enumerate(value)]
+        return [_coerce(entry, item, f"{key}[{i}]") for i, entry in enumerate(value)]
     if origin is Literal:
         choices = typing.get_args(hint)
         if value not in choices:

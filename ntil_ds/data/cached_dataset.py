@@ -32,7 +32,6 @@ from ntil_ds.data.cache import (
     cache_key,
     cache_root,
     check,
-    file_digest,
     locked,
     remove_leftovers,
     slot_name,
@@ -47,7 +46,8 @@ from ntil_ds.data.dataset import (
 )
 from ntil_ds.data.encoding import aligned_targets
 from ntil_ds.data.processor import is_multimodal
-from ntil_ds.data.records import read_conversation_at, read_jsonl_indexed, require_data_file
+from ntil_ds.data.sources import DataSource, open_source
+from ntil_ds.data.tables import image_from_text, image_text
 
 log = logging.getLogger(__name__)
 
@@ -70,9 +70,10 @@ class CachedConversationDataset(torch.utils.data.Dataset):
         on_locked: Callable[[], None] | None = None,
     ):
         check_settings(max_seq_len, on_bad_sample)
-        self.path, self.processor, self.max_seq_len = require_data_file(path), processor, max_seq_len
+        self.source = open_source(path)  # JSONL, Parquet or save_to_disk (ntil_ds/data/sources.py)
+        self.path, self.processor, self.max_seq_len = self.source.path, processor, max_seq_len
         self.multimodal = is_multimodal(processor)
-        digest, line_count = file_digest(self.path)
+        digest, line_count = self.source.digest()  # every file's content: the key's data_sha256
         key = {"data_path": str(self.path), **cache_key(digest, processor, max_seq_len, on_bad_sample)}
         root = cache_root(self.path, cache_dir, output_dir)
         slot = slot_name(self.path, processor, max_seq_len, on_bad_sample)
@@ -103,7 +104,7 @@ class CachedConversationDataset(torch.utils.data.Dataset):
             str(self.path), saved["kept"], saved["truncated"], Counter(saved["skipped"]), saved["examples"]
         )
         finish_report(self.report)
-        self.conversations = LazyConversations(self.path, arrays["lines"], arrays["line_offsets"])
+        self.conversations = LazyConversations(self.source, arrays["lines"], arrays["line_offsets"])
 
     def _build(
         self, folder: Path, key: dict, on_bad_sample: str, line_count: int, show_progress: bool
@@ -113,7 +114,7 @@ class CachedConversationDataset(torch.utils.data.Dataset):
         ends = {name: array.array("q", [0]) for name in ("offsets", "text_offsets", "images_offsets")}
         names = ARRAYS | (TEXT_ARRAYS if self.multimodal else {})
         samples = checked_samples(
-            read_jsonl_indexed(self.path),
+            self.source.rows(),
             self.processor,
             self.max_seq_len,
             on_bad_sample,
@@ -130,7 +131,7 @@ class CachedConversationDataset(torch.utils.data.Dataset):
                 ends["offsets"].append(ends["offsets"][-1] + len(encoded.input_ids))
                 if self.multimodal:
                     text = encoded.text.encode("utf-8")
-                    images = "\0".join(str(p) for p in conversation.images).encode("utf-8")
+                    images = "\0".join(map(image_text, conversation.images)).encode("utf-8")
                     writer.append("text", text)
                     writer.append("images", images)
                     ends["text_offsets"].append(ends["text_offsets"][-1] + len(text))
@@ -169,8 +170,8 @@ class CachedConversationDataset(torch.utils.data.Dataset):
         if not self.multimodal:
             return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "targets": targets}
         text = self._string("text", index)
-        images = [Path(p) for p in self._string("images", index).split("\0") if p]
-        source = f"{self.path}:{int(self.cache['lines'][index])}"
+        images = [image_from_text(p) for p in self._string("images", index).split("\0") if p]
+        source = self.source.name(int(self.cache["lines"][index]), int(self.cache["line_offsets"][index]))
         return {**processor_outputs(self.processor, images, source, text, input_ids), "targets": targets}
 
     def _string(self, name: str, index: int) -> str:
@@ -181,8 +182,8 @@ class CachedConversationDataset(torch.utils.data.Dataset):
 class LazyConversations(Sequence):
     """The kept samples' conversations, each read again from its line when asked for (images checked)."""
 
-    def __init__(self, path: Path, lines: np.ndarray, line_offsets: np.ndarray) -> None:
-        self.path, self.lines, self.line_offsets = path, lines, line_offsets
+    def __init__(self, source: DataSource, lines: np.ndarray, line_offsets: np.ndarray) -> None:
+        self.source, self.lines, self.line_offsets = source, lines, line_offsets
 
     def __len__(self) -> int:
         return len(self.lines)
@@ -191,7 +192,7 @@ class LazyConversations(Sequence):
         if isinstance(index, slice):
             return [self[i] for i in range(*index.indices(len(self)))]
         index = range(len(self))[index]
-        return read_conversation_at(self.path, int(self.line_offsets[index]), int(self.lines[index]))
+        return self.source.conversation_at(int(self.lines[index]), int(self.line_offsets[index]))
 
 
 # What load_dataset returns: the cached dataset, or the plain one with data.cache=false.

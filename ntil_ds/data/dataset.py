@@ -15,7 +15,8 @@ from PIL import Image
 from ntil_ds.data.encoding import EncodedConversation, aligned_targets, encode
 from ntil_ds.data.processor import is_multimodal
 from ntil_ds.data.progress import progress
-from ntil_ds.data.records import BadSample, Conversation, DataError, read_jsonl_indexed
+from ntil_ds.data.records import BadSample, Conversation, DataError, open_image
+from ntil_ds.data.sources import open_source
 
 log = logging.getLogger(__name__)
 
@@ -67,14 +68,15 @@ class ConversationDataset(torch.utils.data.Dataset):
         show_progress: bool = False,
     ):
         check_settings(max_seq_len, on_bad_sample)
-        self.path = Path(path)
+        self.source = open_source(path)  # JSONL, Parquet or a save_to_disk folder
+        self.path = self.source.path
         self.processor = processor
         self.max_seq_len = max_seq_len
         self.report = DataReport(str(self.path))
         self.conversations: list[Conversation] = []
         self._encoded: list[EncodedConversation] = []
         for _, _, item, encoded in checked_samples(
-            read_jsonl_indexed(self.path), processor, max_seq_len, on_bad_sample, self.report, show_progress
+            self.source.rows(), processor, max_seq_len, on_bad_sample, self.report, show_progress
         ):
             self.conversations.append(item)
             self._encoded.append(encoded)
@@ -172,10 +174,11 @@ def finish_report(report: DataReport) -> None:
         raise DataError(f"{report.path}: no usable samples ({report.summary()})")
 
 
-def load_rgb(path: Path, source: str) -> Image.Image:
-    """The image as RGB (what every processor expects); `source` ("file:line") names it in errors."""
+def load_rgb(path, source: str) -> Image.Image:
+    """The image as RGB (what every processor expects); `source` ("file:line") names it in errors.
+    `path`: a file, or an image in a Parquet / Arrow row (ntil_ds/data/tables.py: read now)."""
     try:
-        with Image.open(path) as image:
+        with open_image(path) as image:
             return image.convert("RGB")
     except Exception as error:  # decoding errors the header check at load time could not see
         raise DataError(f"{source}: image {path} cannot be decoded ({error})") from None

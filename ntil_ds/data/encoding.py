@@ -29,7 +29,7 @@ from PIL import Image
 
 from ntil_ds.constants import IGNORE_INDEX
 from ntil_ds.data.processor import is_multimodal, tokenizer_of
-from ntil_ds.data.records import BadSample, Conversation, DataError, text_of
+from ntil_ds.data.records import BadSample, Conversation, DataError, open_image, text_of
 
 
 @dataclass(frozen=True)
@@ -210,7 +210,7 @@ def image_token_counts(processor, conversation: Conversation) -> list[int]:
         return list(processor._get_num_multimodal_tokens(image_sizes=sizes).num_image_tokens)
     counts = []  # other processors: run them on each image alone and count
     for path in conversation.images:
-        with Image.open(path) as image:
+        with open_image(path) as image:
             out = processor(text=[processor.image_token], images=[image.convert("RGB")], return_tensors="np")
         counts.append(int((out["input_ids"] == processor.image_token_id).sum()))
     return counts

@@ -6,7 +6,8 @@ One conversation per line, in the `messages` layout of the Hugging Face chat tem
                                                {"type": "text", "text": "What time is it?"}]},
                   {"role": "assistant", "content": "10:42"}]}
 
-Image paths are relative to the JSONL file's folder (absolute paths work too). Text-only lines and several
+Image paths are relative to the JSONL file's folder (absolute paths work too).
+`parse_row` checks a row of any format (ntil_ds/data/sources.py: JSONL, Parquet, Arrow). Text-only lines and several
 images per line are allowed. The ShareGPT / LLaVA layout (`conversations` with `from`/`value`, `<image>`
 markers in the text and an `image` or `images` key) is converted on reading.
 
@@ -15,8 +16,9 @@ Every problem is a `BadSample` naming the file and line, with a hint on how to f
 
 from __future__ import annotations
 
+import io
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -120,19 +122,34 @@ def _decoded(raw: bytes, path: Path, number: int) -> str:
 
 def parse_line(line: str, path: Path, number: int) -> Conversation:
     """Parse and check one JSONL line (raises `BadSample`)."""
-
-    def bad(reason: str, detail: str) -> BadSample:
-        return BadSample(f"{path}:{number}", reason, detail)
-
+    source = f"{path}:{number}"
     try:
         row = json.loads(line)
     except json.JSONDecodeError as error:
-        raise bad("malformed_json", f"not valid JSON ({error}); each line must be one JSON object") from None
+        raise BadSample(
+            source, "malformed_json", f"not valid JSON ({error}); each line must be one JSON object"
+        ) from None
     if not isinstance(row, dict):
-        raise bad("malformed_json", f"expected a JSON object per line, got {type(row).__name__}")
-    if "messages" in row:
-        messages, image_names = _from_messages(row["messages"], bad)
-    elif "conversations" in row:
+        raise BadSample(
+            source, "malformed_json", f"expected a JSON object per line, got {type(row).__name__}"
+        )
+    return parse_row(row, source, path.parent)
+
+
+def parse_row(row: dict, source: str, folder: Path, embedded: Callable[[tuple], object] | None = None):
+    """Check one row (a JSONL line's object, or a Parquet / Arrow row as a dict) and return its
+    `Conversation` (raises `BadSample` naming `source`). Image paths are relative to `folder`. An image
+    may also be the Hugging Face image struct ``{"bytes": ..., "path": ...}``: its bytes are checked
+    here and `embedded(where)` gives the reference kept instead of them (``where``: the keys that lead
+    to the struct in the row), so that no image's bytes stay in memory (ntil_ds/data/tables.py)."""
+
+    def bad(reason: str, detail: str) -> BadSample:
+        return BadSample(source, reason, detail)
+
+    # a key with null is absent: a table's rows share its columns (a ShareGPT shard has no messages)
+    if row.get("messages") is not None:
+        messages, image_names = _from_messages(row["messages"], bad, row.get("images"))
+    elif row.get("conversations") is not None:
         messages, image_names = _from_sharegpt(row, bad)
     else:
         raise bad(
@@ -149,16 +166,18 @@ def parse_line(line: str, path: Path, number: int) -> Conversation:
             raise bad("empty_answer", "an assistant answer is empty; give the text the model should produce")
         if any(part["type"] == "image" for part in message["content"]):
             raise bad("bad_schema", "an assistant turn holds an image; images belong in user turns")
-    checked = [_checked_image(path.parent, name, bad) for name in image_names]
+    checked = [_checked_image(folder, name, where, bad, embedded) for name, where in image_names]
     return Conversation(
-        source=f"{path}:{number}",
+        source=source,
         messages=messages,
         images=[image_path for image_path, _ in checked],
         image_sizes=[size for _, size in checked],
     )
 
 
-def _from_messages(messages, bad) -> tuple[list[dict], list[str]]:
+def _from_messages(messages, bad, column=None) -> tuple[list[dict], list[tuple]]:
+    """`column`: the row's `images` list, which image parts without a path of their own take in order
+    (the layout of TRL / Hugging Face data sets: `{"type": "image"}` parts and an `images` column)."""
     if not isinstance(messages, list) or not messages:
         raise bad("bad_schema", "'messages' must be a non-empty list of {'role': ..., 'content': ...}")
     normalized, image_names = [], []
@@ -173,41 +192,58 @@ def _from_messages(messages, bad) -> tuple[list[dict], list[str]]:
             parts = [{"type": "text", "text": content}]
         elif isinstance(content, list):
             parts = []
-            for part in content:
-                parts.append(_part(part, index, bad, image_names))
+            for number, part in enumerate(content):
+                parts.append(_part(part, ("messages", index, "content", number), bad, image_names))
         else:
             raise bad("bad_schema", f"message {index} content must be a string or a list of parts")
         normalized.append({"role": role, "content": parts})
+    pending = [i for i, (name, _) in enumerate(image_names) if name is None]
+    if pending or column:
+        column = [column] if isinstance(column, dict) else column or []
+        if not isinstance(column, list) or len(column) != len(pending):
+            raise bad(
+                "bad_schema",
+                f"{len(pending)} image part(s) without a path but {len(column)} image(s) in 'images'; "
+                "give each image part its file ({'type': 'image', 'image': 'x.png'}) or one 'images' entry",
+            )
+        for number, (i, name) in enumerate(zip(pending, column, strict=True)):
+            image_names[i] = (name, ("images", number))
     return normalized, image_names
 
 
-def _part(part, index: int, bad, image_names: list[str]) -> dict:
+def _part(part, where: tuple, bad, image_names: list[tuple]) -> dict:
     kind = part.get("type") if isinstance(part, dict) else None
     if kind == "text" and isinstance(part.get("text"), str):
         return {"type": "text", "text": part["text"]}
     if kind == "image":
-        name = part.get("image") or part.get("path") or part.get("url")
-        if not isinstance(name, str) or not name:
+        keys = [k for k in ("image", "path", "url") if part.get(k)]
+        name = part[keys[0]] if keys else None  # None: the row's `images` column holds it
+        if name is not None and not isinstance(name, (str, dict)):
             raise bad(
                 "bad_schema",
-                f"message {index}: image part needs a file path: {{'type': 'image', 'image': 'x.png'}}",
+                f"message {where[1]}: image part needs a file path: {{'type': 'image', 'image': 'x.png'}}",
             )
-        image_names.append(name)
+        image_names.append((name, (*where, keys[0]) if keys else None))
         return {"type": "image"}
     raise bad(
         "bad_schema",
-        f"message {index}: unsupported content part {part!r}; "
+        f"message {where[1]}: unsupported content part {part!r}; "
         "use {'type': 'text', 'text': ...} or {'type': 'image', 'image': 'path'}",
     )
 
 
-def _from_sharegpt(row: dict, bad) -> tuple[list[dict], list[str]]:
+def _from_sharegpt(row: dict, bad) -> tuple[list[dict], list[tuple]]:
     """Convert {"conversations": [{"from": "human", "value": "<image>\\n..."}, ...], "image": ...}."""
-    image_names = row.get("images", row.get("image", []))  # ShareGPT has either key, or none (text)
-    if isinstance(image_names, str):
+    key = "images" if row.get("images") is not None else "image"
+    image_names = row.get(key)  # ShareGPT has either key, or none (text); a table's column may be null
+    if image_names is None:
+        image_names = []
+    single = isinstance(image_names, (str, dict))
+    if single:
         image_names = [image_names]
-    if not isinstance(image_names, list) or not all(isinstance(n, str) for n in image_names):
+    if not isinstance(image_names, list) or not all(isinstance(n, (str, dict)) for n in image_names):
         raise bad("bad_schema", "'image' / 'images' must be a path or a list of paths")
+    image_names = [(n, (key,) if single else (key, i)) for i, n in enumerate(image_names)]
     turns = row["conversations"]
     if not isinstance(turns, list) or not turns:
         raise bad("bad_schema", "'conversations' must be a non-empty list of {'from': ..., 'value': ...}")
@@ -242,12 +278,31 @@ def _from_sharegpt(row: dict, bad) -> tuple[list[dict], list[str]]:
     return messages, image_names
 
 
-def _checked_image(folder: Path, name: str, bad) -> tuple[Path, tuple[int, int]]:
+def _checked_image(folder: Path, name, where, bad, embedded) -> tuple[Path | object, tuple[int, int]]:
+    if isinstance(name, dict):  # the Hugging Face image struct: its bytes, else its file
+        data, path = name.get("bytes"), name.get("path")
+        if data is not None:
+            if embedded is None or not isinstance(data, (bytes, bytearray)):
+                raise bad("bad_schema", "image bytes are read from Parquet / Arrow rows only; give a path")
+            try:
+                with Image.open(io.BytesIO(data)) as image:
+                    width, height = image.size
+                    image.verify()
+            except Exception as error:  # PIL raises many types for bytes that are not an image
+                raise bad(
+                    "unreadable_image", f"the bytes of image {path or where} cannot be read ({error})"
+                ) from None
+            return embedded(where), (height, width)
+        if not isinstance(path, str) or not path:
+            raise bad("missing_image", "an image struct has neither 'bytes' nor a 'path'")
+        name = path
+    if not isinstance(name, str) or not name:
+        raise bad("missing_image", f"image {where} is empty: give a file path or the image's bytes")
     path = Path(name) if Path(name).is_absolute() else folder / name
     if not path.is_file():
         raise bad(
             "missing_image",
-            f"image {name!r} not found (looked at {path}); image paths are relative to the JSONL file's folder",
+            f"image {name!r} not found (looked at {path}); image paths are relative to the data file's folder",
         )
     try:
         with Image.open(path) as image:
@@ -256,3 +311,8 @@ def _checked_image(folder: Path, name: str, bad) -> tuple[Path, tuple[int, int]]
     except Exception as error:  # PIL raises many types for unreadable files
         raise bad("unreadable_image", f"image {name!r} cannot be read ({error})") from None
     return path, (height, width)
+
+
+def open_image(image) -> Image.Image:
+    """An image of `Conversation.images` opened: a file, or (ntil_ds/data/tables.py) the bytes of a row."""
+    return Image.open(image) if isinstance(image, Path) else Image.open(io.BytesIO(image.read_bytes()))

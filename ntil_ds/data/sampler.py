@@ -16,7 +16,7 @@ of data-parallel ranks when that count divides by it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -25,7 +25,17 @@ import numpy as np
 class ResumableDistributedSampler:
     """Endless, deterministic, sharded sample indices (see the module docstring)."""
 
-    def __init__(self, num_samples: int, dp_rank: int, dp_size: int, seed: int, shuffle: bool = True):
+    def __init__(
+        self,
+        num_samples: int,
+        dp_rank: int,
+        dp_size: int,
+        seed: int,
+        shuffle: bool = True,
+        epoch_order: Callable[[int, int, bool], np.ndarray] | None = None,
+    ):
+        """`epoch_order(seed, epoch, shuffle)`: an epoch's `num_samples` indices in order, instead of a
+        permutation of range(num_samples) (weighted sources: ntil_ds/data/weighted.py)."""
         if num_samples <= 0:
             raise ValueError(f"num_samples must be positive, got {num_samples}")
         if not 0 <= dp_rank < dp_size:
@@ -35,6 +45,7 @@ class ResumableDistributedSampler:
         self.dp_size = dp_size
         self.seed = seed
         self.shuffle = shuffle
+        self.epoch_order = epoch_order
         self.consumed_per_rank = 0  # indices this rank has yielded (equal on all ranks at a step boundary)
         self._order_epoch = -1
         self._order = np.arange(num_samples)
@@ -72,7 +83,19 @@ class ResumableDistributedSampler:
             out.append(int(self._epoch_order(epoch)[offset]))
         return out
 
+    @classmethod
+    def for_dataset(cls, dataset, dp_rank: int, dp_size: int, seed: int, shuffle: bool = True):
+        """The sampler of `dataset`: its own epoch order when it has one (`WeightedSources`)."""
+        order = getattr(dataset, "epoch_order", None)
+        length = getattr(dataset, "epoch_length", None) or len(dataset)
+        return cls(length, dp_rank, dp_size, seed, shuffle, epoch_order=order)
+
     def _epoch_order(self, epoch: int) -> np.ndarray:
+        if self.epoch_order is not None:
+            if epoch != self._order_epoch:
+                self._order = np.asarray(self.epoch_order(self.seed, epoch, self.shuffle))
+                self._order_epoch = epoch
+            return self._order
         if self.shuffle and epoch != self._order_epoch:
             self._order = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
             self._order_epoch = epoch
