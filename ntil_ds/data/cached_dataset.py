@@ -95,14 +95,13 @@ class CachedConversationDataset(torch.utils.data.Dataset):
         # while the main rank waits for it in the barrier.
         with locked(root, slot, exclusive=False):
             arrays, _ = check(folder, key)
-        self.cache_status = "reused"
+        self.cache_status, build = "reused", None
         if arrays is None and helped is not None:
             with contextlib.suppress(Aborted):  # killed: this rank builds; failed: its error, here too
                 helped.check()
         if arrays is None:
             with locked(root, slot, exclusive=True):  # one builder; the others wait here, then reuse
                 arrays, why = check(folder, key)
-                build = None
                 if arrays is None:
                     self.cache_status = "built" if why == "missing" else f"rebuilt because {why}"
                     remove_leftovers(folder)
@@ -123,7 +122,11 @@ class CachedConversationDataset(torch.utils.data.Dataset):
                     arrays, why = check(folder, key)
                     if arrays is None:
                         raise RuntimeError(f"{folder}: the cache just written does not check ({why})")
-        log.info("data cache %s: %s", folder, self.cache_status)
+        # (ranges this process encoded, ranges of the build) where a build was shared, else None
+        parted = helped or build
+        self.encoded_ranges = (len(parted.mine), len(parted.ranges)) if parted and parted.mine else None
+        share = " (this process encoded %d of %d ranges)" % self.encoded_ranges if self.encoded_ranges else ""
+        log.info("data cache %s: %s%s", folder, self.cache_status, share)
         self.cache: CacheArrays = arrays
         saved = arrays.manifest["report"]
         self.report = DataReport(

@@ -168,6 +168,7 @@ class PartedBuild:
     def __init__(self, folder: Path, ticket: dict, encoder: RangeEncoder, names: dict[str, str]) -> None:
         self.folder, self.ticket, self.encoder, self.names = folder, ticket, encoder, names
         self.ranges = [tuple(r) for r in ticket["ranges"]]
+        self.mine: list[int] = []  # the ranges this process encoded
         self.last_check = time.monotonic()
 
     @classmethod
@@ -225,6 +226,7 @@ class PartedBuild:
 
     def encode(self, k: int, on_lines: Callable[[int], None] | None = None) -> None:
         start, stop = self.ranges[k]
+        self.mine.append(k)
         report = DataReport(str(self.encoder.path))
         writer = PartWriter(self.folder / f"part-{k:05d}", self.names)
         try:
