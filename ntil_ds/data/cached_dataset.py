@@ -107,7 +107,9 @@ class CachedConversationDataset(torch.utils.data.Dataset):
                     remove_leftovers(folder)
                     pool = 1 if ranks > 1 else pool_size(encode_workers, line_count)
                     if max(ranks, pool) > 1:  # the ticket is out before the other ranks pass the barrier
-                        build = PartedBuild.start(root, slot, key, line_count, max(ranks, pool), encoder, names)
+                        build = PartedBuild.start(
+                            root, slot, key, line_count, max(ranks, pool), encoder, names
+                        )
                 if on_locked is not None:
                     on_locked()
                 if arrays is None:
@@ -125,7 +127,11 @@ class CachedConversationDataset(torch.utils.data.Dataset):
         # (ranges this process encoded, ranges of the build) where a build was shared, else None
         parted = helped or build
         self.encoded_ranges = (len(parted.mine), len(parted.ranges)) if parted and parted.mine else None
-        share = " (this process encoded %d of %d ranges)" % self.encoded_ranges if self.encoded_ranges else ""
+        share = (
+            " (this process encoded {} of {} ranges)".format(*self.encoded_ranges)
+            if parted and parted.mine
+            else ""
+        )
         log.info("data cache %s: %s%s", folder, self.cache_status, share)
         self.cache: CacheArrays = arrays
         saved = arrays.manifest["report"]

@@ -20,6 +20,7 @@ builder re-encodes a range whose claimant died.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -42,7 +43,7 @@ from ntil_ds.data.progress import progress
 from ntil_ds.data.records import BadSample, read_jsonl_indexed
 
 PARTS_PER_PROCESS = 4
-AUTO_MIN_LINES = 50_000  # data.encode_workers=0: a pool only from this many lines (a worker starts in seconds)
+AUTO_MIN_LINES = 50_000  # data.encode_workers=0: a pool from this many lines (a worker starts in seconds)
 AUTO_MAX_WORKERS = 8
 CHECK_EVERY_S = 1.0  # how often an encoding process looks for another's error
 POLL_S = 0.05
@@ -172,7 +173,9 @@ class PartedBuild:
         self.last_check = time.monotonic()
 
     @classmethod
-    def start(cls, root: Path, slot: str, key: dict, lines: int, processes: int, encoder, names) -> PartedBuild:
+    def start(
+        cls, root: Path, slot: str, key: dict, lines: int, processes: int, encoder, names
+    ) -> PartedBuild:
         """The builder (holding the exclusive lock): a fresh folder and its ticket."""
         folder = parts_folder(root, slot)
         shutil.rmtree(folder, ignore_errors=True)
@@ -276,7 +279,12 @@ class PartedBuild:
 
     def _record(self, error: Exception) -> None:
         if isinstance(error, BadSample):
-            value = {"kind": "BadSample", "source": error.source, "reason": error.reason, "detail": error.detail}
+            value = {
+                "kind": "BadSample",
+                "source": error.source,
+                "reason": error.reason,
+                "detail": error.detail,
+            }
         else:
             value = {"kind": "other", "message": f"{type(error).__name__}: {error}"}
         if not (self.folder / "error.json").exists():  # the first error stays
@@ -389,7 +397,5 @@ def _pool_worker(folder: Path, ticket: dict, encoder: RangeEncoder) -> None:
 
     if processor_digest(encoder.processor) != ticket["key"]["processor_sha256"]:
         return  # the processor loaded again here is not the builder's: the builder encodes the rest
-    try:
+    with contextlib.suppress(Aborted, BadSample):  # a bad line: in error.json, the builder raises it
         PartedBuild(folder, ticket, encoder, ticket["names"]).work()
-    except (Aborted, BadSample):
-        pass  # recorded in error.json for the builder, which raises it

@@ -434,7 +434,9 @@ def test_a_pool_build_is_the_serial_build_byte_for_byte(tmp_path, processors, fo
     done, total = pooled.encoded_ranges
     assert total == 8 and 0 < done < total  # the worker encoded the others
     assert _folder_bytes(pooled.cache.folder) == _folder_bytes(serial.cache.folder)
-    assert sorted(p.name for p in (tmp_path / "p").iterdir()) == sorted(p.name for p in (tmp_path / "s").iterdir())
+    assert sorted(p.name for p in (tmp_path / "p").iterdir()) == sorted(
+        p.name for p in (tmp_path / "s").iterdir()
+    )
     _assert_same_samples(pooled, ConversationDataset(path, processors["qwen2_vl"], 128, on_bad_sample="skip"))
 
 
@@ -470,7 +472,7 @@ def test_two_ranks_share_the_build_and_a_bad_line_on_either_ends_both(tmp_path, 
     ranks with that line's error within a bounded time, and leaves no cache."""
     good = _write(tmp_path / "good.jsonl", _spread_rows(400))
     rows = [{"messages": _turns(f"{i}+1?", str(i + 1))} for i in range(400)]
-    helper_bad = _write(tmp_path / "bad1.jsonl", rows[:75] + ["not json"] + rows[75:])  # range 1 of 8
+    helper_bad = _write(tmp_path / "bad1.jsonl", [*rows[:75], "not json", *rows[75:]])  # range 1 of 8
     main_bad = _write(tmp_path / "bad0.jsonl", ["not json", *rows])  # range 0: the main rank's
     files = [(good, "skip"), (helper_bad, "error"), (main_bad, "error")]
     context = multiprocessing.get_context("spawn")
