@@ -482,13 +482,18 @@ def test_two_ranks_share_the_build_and_a_bad_line_on_either_ends_both(tmp_path, 
     for process in ranks:
         process.start()
     got = {}
-    for _ in range(2 * len(files)):
-        rank, path, status, share, error = results.get(timeout=240)  # a hang fails here, not in CI's limit
-        assert status != "crashed", error
-        got[rank, path] = (status, share, error)
-    for process in ranks:
-        process.join(timeout=60)
-        assert process.exitcode == 0
+    try:
+        for _ in range(2 * len(files)):
+            rank, path, status, share, error = results.get(timeout=240)  # a hang fails here, not in CI's
+            assert status != "crashed", error
+            got[rank, path] = (status, share, error)
+        for process in ranks:
+            process.join(timeout=60)
+            assert process.exitcode == 0
+    finally:
+        for process in ranks:  # a rank left waiting must not outlive the test
+            if process.is_alive():
+                process.terminate()
     (status0, share0, _), (status1, share1, _) = got[0, str(good)], got[1, str(good)]
     assert (status0, status1) == ("built", "reused")
     assert share0[1] == share1[1] == 8 and share0[0] + share1[0] == 8 and share1[0] >= 1
