@@ -59,6 +59,7 @@ RESUMABLE_CHANGES = (
     "data.num_workers",
     "data.cache",  # the cache holds exactly the samples an uncached start encodes
     "data.cache_dir",
+    "data.encode_workers",  # a parallel build writes the same cache byte for byte
     "model.attn_implementation",  # the same attention on other hardware (sdpa <-> flash-attn)
     "model.kernels",  # fused kernels compute the same functions
     "loss.kernel",  # the same loss through the Triton kernel or the torch tiles

@@ -144,6 +144,10 @@ class DataConfig:
     # Where caches live. Empty: .ntil_cache beside the data file, or under output_dir when the data
     # folder is read-only.
     cache_dir: str = ""
+    # A first build split over processes (ntil_ds/data/parallel_build.py): with several ranks, the node's
+    # ranks share it; with one rank, this many worker processes. 0: as many as the CPUs this process may
+    # use (at most 8), from 50,000 lines (a worker takes seconds to start); 1: in the process itself.
+    encode_workers: int = 0
 
 
 @dataclass
@@ -296,6 +300,7 @@ def validate(cfg: Config) -> None:
         "loss.ntil_lambda": cfg.loss.ntil_lambda,
         "loss.ntl_lambda": cfg.loss.ntl_lambda,
         "data.num_workers": cfg.data.num_workers,
+        "data.encode_workers": cfg.data.encode_workers,
         "data.max_tokens_per_micro_batch": cfg.data.max_tokens_per_micro_batch,
     }
     for key, value in non_negative.items():

@@ -44,6 +44,7 @@ class DistInfo:
     local_rank: int = 0
     world_size: int = 1
     tp_size: int = 1
+    local_world_size: int = 1  # the ranks on this node
 
     def __post_init__(self) -> None:
         if self.world_size % self.tp_size:
@@ -60,6 +61,7 @@ class DistInfo:
             local_rank=int(os.environ.get("LOCAL_RANK", "0")),
             world_size=int(os.environ.get("WORLD_SIZE", "1")),
             tp_size=tp_size,
+            local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
         )
 
     @property

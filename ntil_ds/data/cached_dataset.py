@@ -14,7 +14,7 @@ and the others wait on its lock, then map it.
 
 from __future__ import annotations
 
-import array
+import contextlib
 import logging
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -40,14 +40,13 @@ from ntil_ds.data.dataset import (
     ConversationDataset,
     DataReport,
     check_settings,
-    checked_samples,
     finish_report,
     processor_outputs,
 )
-from ntil_ds.data.encoding import aligned_targets
+from ntil_ds.data.parallel_build import Aborted, PartedBuild, RangeEncoder, pool_size, write_samples
 from ntil_ds.data.processor import is_multimodal
 from ntil_ds.data.sources import DataSource, open_source
-from ntil_ds.data.tables import image_from_text, image_text
+from ntil_ds.data.tables import image_from_text
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +54,11 @@ log = logging.getLogger(__name__)
 class CachedConversationDataset(torch.utils.data.Dataset):
     """`ConversationDataset` over mapped arrays. `cache_status` says what happened: "built", "reused",
     or "rebuilt because ..." (also logged). `on_locked`: called once this process holds the exclusive
-    build lock, taken only when the cache is missing or stale (`load_dataset` calls it otherwise)."""
+    build lock, taken only when the cache is missing or stale (`load_dataset` calls it otherwise).
+
+    A first build is split over `ranks` processes (the node's ranks; the others are `helper`s, which
+    help a build in progress before they check) or, with one rank, over a pool of `encode_workers`
+    processes it starts (0: `parallel_build.pool_size`'s choice); ntil_ds/data/parallel_build.py."""
 
     def __init__(
         self,
@@ -68,6 +71,9 @@ class CachedConversationDataset(torch.utils.data.Dataset):
         output_dir: str | Path | None = None,
         show_progress: bool = False,
         on_locked: Callable[[], None] | None = None,
+        ranks: int = 1,
+        encode_workers: int = 0,
+        helper: bool = False,
     ):
         check_settings(max_seq_len, on_bad_sample)
         self.source = open_source(path)  # JSONL, Parquet or save_to_disk (ntil_ds/data/sources.py)
@@ -78,26 +84,56 @@ class CachedConversationDataset(torch.utils.data.Dataset):
         root = cache_root(self.path, cache_dir, output_dir)
         slot = slot_name(self.path, processor, max_seq_len, on_bad_sample)
         folder = root / slot
+        encoder = RangeEncoder(self.source, processor, max_seq_len, on_bad_sample, self.multimodal)
+        names = ARRAYS | (TEXT_ARRAYS if self.multimodal else {})
+        helped = PartedBuild.find(root, slot, key, encoder) if helper else None
+        if helped is not None:
+            with contextlib.suppress(Aborted):  # the builder ended: this rank finds out below
+                helped.work()
         # A reader first, the main rank too: a valid cache needs no exclusive lock. The main rank must not
         # take it for a cache that checks: another rank may still be waiting for its shared lock on the same
         # slot from the dataset before (data.eval_file = data.train_file), and would wait on it forever
         # while the main rank waits for it in the barrier.
         with locked(root, slot, exclusive=False):
             arrays, _ = check(folder, key)
-        self.cache_status = "reused"
+        self.cache_status, build = "reused", None
+        if arrays is None and helped is not None:
+            with contextlib.suppress(Aborted):  # killed: this rank builds; failed: its error, here too
+                helped.check()
         if arrays is None:
             with locked(root, slot, exclusive=True):  # one builder; the others wait here, then reuse
-                if on_locked is not None:
-                    on_locked()
                 arrays, why = check(folder, key)
                 if arrays is None:
                     self.cache_status = "built" if why == "missing" else f"rebuilt because {why}"
                     remove_leftovers(folder)
-                    self._build(folder, key, on_bad_sample, line_count, show_progress)
+                    pool = 1 if ranks > 1 else pool_size(encode_workers, line_count)
+                    if max(ranks, pool) > 1:  # the ticket is out before the other ranks pass the barrier
+                        build = PartedBuild.start(
+                            root, slot, key, line_count, max(ranks, pool), encoder, names
+                        )
+                if on_locked is not None:
+                    on_locked()
+                if arrays is None:
+                    try:
+                        self._build(folder, key, encoder, names, line_count, show_progress, build, pool)
+                    except Exception as error:
+                        if build is not None:
+                            build.fail(error)  # the helping ranks raise it too
+                        raise
+                    if build is not None:
+                        build.close()
                     arrays, why = check(folder, key)
                     if arrays is None:
                         raise RuntimeError(f"{folder}: the cache just written does not check ({why})")
-        log.info("data cache %s: %s", folder, self.cache_status)
+        # (ranges this process encoded, ranges of the build) where a build was shared, else None
+        parted = helped or build
+        self.encoded_ranges = (len(parted.mine), len(parted.ranges)) if parted and parted.mine else None
+        share = (
+            " (this process encoded {} of {} ranges)".format(*self.encoded_ranges)
+            if parted and parted.mine
+            else ""
+        )
+        log.info("data cache %s: %s%s", folder, self.cache_status, share)
         self.cache: CacheArrays = arrays
         saved = arrays.manifest["report"]
         self.report = DataReport(
@@ -106,39 +142,15 @@ class CachedConversationDataset(torch.utils.data.Dataset):
         finish_report(self.report)
         self.conversations = LazyConversations(self.source, arrays["lines"], arrays["line_offsets"])
 
-    def _build(
-        self, folder: Path, key: dict, on_bad_sample: str, line_count: int, show_progress: bool
-    ) -> None:
-        report = DataReport(str(self.path))
-        per_sample = {name: array.array("q") for name in ("lines", "line_offsets")}
-        ends = {name: array.array("q", [0]) for name in ("offsets", "text_offsets", "images_offsets")}
-        names = ARRAYS | (TEXT_ARRAYS if self.multimodal else {})
-        samples = checked_samples(
-            self.source.rows(),
-            self.processor,
-            self.max_seq_len,
-            on_bad_sample,
-            report,
-            show_progress,
-            total=line_count,
-        )
+    def _build(self, folder: Path, key: dict, encoder: RangeEncoder, names: dict, line_count: int,
+               show_progress: bool, build: PartedBuild | None, pool: int) -> None:  # fmt: skip
         with CacheWriter(folder, names) as writer:
-            for number, offset, conversation, encoded in samples:
-                per_sample["lines"].append(number)
-                per_sample["line_offsets"].append(offset)
-                writer.append("input_ids", encoded.input_ids)  # int32: every vocabulary is far below 2**31
-                writer.append("targets", aligned_targets(encoded.labels))
-                ends["offsets"].append(ends["offsets"][-1] + len(encoded.input_ids))
-                if self.multimodal:
-                    text = encoded.text.encode("utf-8")
-                    images = "\0".join(map(image_text, conversation.images)).encode("utf-8")
-                    writer.append("text", text)
-                    writer.append("images", images)
-                    ends["text_offsets"].append(ends["text_offsets"][-1] + len(text))
-                    ends["images_offsets"].append(ends["images_offsets"][-1] + len(images))
-            for name, values in {**per_sample, **ends}.items():
-                if name in names:
-                    writer.append(name, values.tobytes())
+            if build is None:  # one process: the lines in order, straight into the cache
+                report = DataReport(str(self.path))
+                samples = encoder.samples(0, None, report, show_progress=show_progress, total=line_count)
+                write_samples(samples, writer, self.multimodal)
+            else:
+                report = build.finish(writer, show_progress, pool)
             saved = {"kept": report.kept, "truncated": report.truncated, "skipped": dict(report.skipped)}
             writer.commit(
                 {
@@ -210,6 +222,8 @@ def load_dataset(
     output_dir: str | Path | None = None,
     is_main: bool = True,
     barrier: Callable[[], None] | None = None,
+    ranks: int = 1,
+    encode_workers: int = 0,
 ) -> AnyConversationDataset:
     """The dataset of one data file on this rank; progress on the main rank only.
 
@@ -218,11 +232,13 @@ def load_dataset(
     the cache's build lock first and only then lets the others past the barrier: they wait on that lock,
     not in a collective (whose timeout a long first build would pass), then map what it wrote. Where the
     cache folder is on each node's own disk, the first rank of each other node to get its lock builds it.
+    A first build is split over the node's `ranks` (each encodes ranges of lines, the main rank joins
+    them), or with one rank over `encode_workers` processes (ntil_ds/data/parallel_build.py).
     """
     if not cache:
         return ConversationDataset(path, processor, max_seq_len, on_bad_sample, show_progress=is_main)
 
-    def open_cache(show: bool, on_locked=None) -> CachedConversationDataset:
+    def open_cache(show: bool, on_locked=None, helper: bool = False) -> CachedConversationDataset:
         return CachedConversationDataset(
             path,
             processor,
@@ -232,13 +248,16 @@ def load_dataset(
             output_dir=output_dir,
             show_progress=show,
             on_locked=on_locked,
+            ranks=ranks,
+            encode_workers=encode_workers,
+            helper=helper,
         )
 
     if barrier is None:
         return open_cache(is_main)
     if not is_main:
-        barrier()  # past it, the main rank holds the lock (or has failed: then this rank finds out itself)
-        return open_cache(False)
+        barrier()  # past it, the main rank holds the lock and its build's ticket is out (or it has failed:
+        return open_cache(False, helper=True)  # then this rank finds out itself)
     released = []
 
     def release() -> None:

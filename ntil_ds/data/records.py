@@ -78,21 +78,44 @@ def read_jsonl(path: str | Path) -> Iterator[tuple[int, Conversation | BadSample
         yield number, item
 
 
-def read_jsonl_indexed(path: str | Path) -> Iterator[tuple[int, int, Conversation | BadSample]]:
+def read_jsonl_indexed(
+    path: str | Path, start: int = 0, stop: int | None = None
+) -> Iterator[tuple[int, int, Conversation | BadSample]]:
     """Like `read_jsonl`, with each line's byte offset in the file (what the data cache keeps, so that a
-    sample's conversation can be read again later without reading the file: `read_conversation_at`)."""
+    sample's conversation can be read again later without reading the file: `read_conversation_at`).
+
+    `start`, `stop`: only the lines of index [start, stop) (line number = index + 1), what one process of
+    a parallel cache build reads (ntil_ds/data/parallel_build.py)."""
     path = require_data_file(path)
     with path.open("rb") as lines:
-        offset = 0
-        for number, raw in enumerate(lines, start=1):
-            start, offset = offset, offset + len(raw)
+        offset = _line_offset(lines, start)
+        lines.seek(offset)
+        for number, raw in enumerate(lines, start=start + 1):
+            if stop is not None and number > stop:
+                return
+            begin, offset = offset, offset + len(raw)
             try:
                 line = _decoded(raw, path, number)
                 if not line.strip():
                     continue
-                yield number, start, parse_line(line, path, number)
+                yield number, begin, parse_line(line, path, number)
             except BadSample as bad:
-                yield number, start, bad
+                yield number, begin, bad
+
+
+def _line_offset(file, index: int, chunk_size: int = 1 << 20) -> int:
+    """The byte offset where line `index` (0-based) starts: newlines counted a chunk at a time."""
+    offset, seen = 0, 0
+    while seen < index and (chunk := file.read(chunk_size)):
+        count = chunk.count(b"\n")
+        if seen + count < index:
+            seen, offset = seen + count, offset + len(chunk)
+            continue
+        position = -1
+        for _ in range(index - seen):
+            position = chunk.index(b"\n", position + 1)
+        return offset + position + 1
+    return offset
 
 
 def require_data_file(path: str | Path) -> Path:

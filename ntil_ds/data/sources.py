@@ -46,8 +46,10 @@ class JsonlSource:
     def name(self, number: int, offset: int) -> str:
         return f"{self.path}:{number}"
 
-    def rows(self) -> Iterator[tuple[int, int, Conversation | BadSample]]:
-        return read_jsonl_indexed(self.path)
+    def rows(
+        self, start: int = 0, stop: int | None = None
+    ) -> Iterator[tuple[int, int, Conversation | BadSample]]:
+        return read_jsonl_indexed(self.path, start, stop)
 
     def conversation_at(self, number: int, offset: int) -> Conversation:
         return read_conversation_at(self.path, offset, number)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import json
 import os
 from collections.abc import Iterator
@@ -91,8 +92,14 @@ class TableSource:
     def name(self, row: int, file_index: int) -> str:
         return f"{self.files[file_index]}:row {row}"
 
-    def rows(self) -> Iterator[tuple[int, int, Conversation | BadSample]]:
-        """(row, file index, conversation or its problem) of every row, file after file."""
+    def rows(
+        self, start: int = 0, stop: int | None = None
+    ) -> Iterator[tuple[int, int, Conversation | BadSample]]:
+        """(row, file index, conversation or its problem) of samples [start, stop), counted over every
+        row, file after file (what a parallel cache build gives each rank)."""
+        return itertools.islice(self._all_rows(), start, stop)
+
+    def _all_rows(self) -> Iterator[tuple[int, int, Conversation | BadSample]]:
         for file_index, file in enumerate(self.files):
             row = 0
             for batch in _batches(file, self.kind):

@@ -376,3 +376,135 @@ def test_a_new_encoding_version_or_other_settings_never_reuse_a_cache(tmp_path, 
     monkeypatch.setattr(cache_module, "ENCODING_VERSION", cache_module.ENCODING_VERSION + 1)
     bumped = CachedConversationDataset(path, processors["qwen2"], 128, "skip")
     assert bumped.cache_status.startswith("rebuilt because it was built for other inputs: encoding_version")
+
+
+# -- the first build split over processes (ntil_ds/data/parallel_build.py) ---------------------------
+
+
+def _spread_rows(n):
+    """Good lines with bad ones of several kinds spread over the file (every range of a split gets some,
+    in an order where a reason's first line and the first five messages cross ranges)."""
+    rows = [{"messages": _turns(f"What is {i} + {2 * i}?", str(3 * i))} for i in range(n)]
+    bad = ["not json", {"messages": _turns("empty?", " ")}, {"rows": []}, "not json either",
+           {"messages": [{"role": "user", "content": "no answer"}]}, {"messages": _turns("e?", " ")}, "{"]  # fmt: skip
+    for j, row in enumerate(bad):
+        rows.insert((j + 1) * len(rows) // (len(bad) + 1), row)
+    return rows
+
+
+def _folder_bytes(folder):
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def _wait_for_a_helper(monkeypatch_or_none=None):
+    """Patch PartedBuild.encode so the builder starts its first range only once another process has
+    claimed one: each process's share of the build is then known, not a race."""
+    import time as clock
+
+    from ntil_ds.data.parallel_build import PartedBuild
+
+    original = PartedBuild.encode
+
+    def encode(self, k, on_lines=None):
+        if k == 0:
+            deadline = clock.monotonic() + 120
+            while not any(self.folder.glob("part-*.claim")) or len(list(self.folder.glob("*.claim"))) < 2:
+                assert clock.monotonic() < deadline, "no other process claimed a range"
+                clock.sleep(0.02)
+        return original(self, k, on_lines)
+
+    if monkeypatch_or_none is None:
+        PartedBuild.encode = encode
+    else:
+        monkeypatch_or_none.setattr(PartedBuild, "encode", encode)
+
+
+def test_a_pool_build_is_the_serial_build_byte_for_byte(tmp_path, processors, folders, monkeypatch):
+    """One rank, data.encode_workers=2: a spawned worker encodes ranges (the Qwen2-VL processor, which
+    does not pickle, loaded again there from its folder); the cache equals the serial one file by file."""
+    rows = _image_rows(tmp_path / "data", 40)
+    rows[10:10] = rows[-2:]  # the bad image lines also early
+    path = _write(tmp_path / "data" / "train.jsonl", rows)
+    serial = CachedConversationDataset(path, processors["qwen2_vl"], 128, "skip", cache_dir=tmp_path / "s",
+                                       encode_workers=1)  # fmt: skip
+    assert serial.encoded_ranges is None
+    _wait_for_a_helper(monkeypatch)
+    pooled = CachedConversationDataset(path, processors["qwen2_vl"], 128, "skip", cache_dir=tmp_path / "p",
+                                       encode_workers=2)  # fmt: skip
+    done, total = pooled.encoded_ranges
+    assert total == 8 and 0 < done < total  # the worker encoded the others
+    assert _folder_bytes(pooled.cache.folder) == _folder_bytes(serial.cache.folder)
+    assert sorted(p.name for p in (tmp_path / "p").iterdir()) == sorted(
+        p.name for p in (tmp_path / "s").iterdir()
+    )
+    _assert_same_samples(pooled, ConversationDataset(path, processors["qwen2_vl"], 128, on_bad_sample="skip"))
+
+
+def _rank(rank, store, folder, files, cache_dir, results):
+    """One of two gloo ranks calling load_dataset as the trainer does, on each of `files` in turn."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                                timeout=timedelta(seconds=60))  # fmt: skip
+        if rank == 0:
+            _wait_for_a_helper()
+        processor = load_processor(folder)
+        for path, rule in files:
+            try:
+                data = load_dataset(path, processor, 128, rule, cache_dir=cache_dir, is_main=rank == 0,
+                                    barrier=dist.barrier, ranks=2)  # fmt: skip
+                results.put((rank, str(path), data.cache_status, data.encoded_ranges, None))
+            except DataError as error:
+                results.put((rank, str(path), "failed", None, str(error)))
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException as error:
+        results.put((rank, "", "crashed", None, repr(error)))
+        raise
+
+
+def test_two_ranks_share_the_build_and_a_bad_line_on_either_ends_both(tmp_path, folders, processors):
+    """Two real processes (gloo): the build is split between them and equals the serial one byte for
+    byte; a bad line (on_bad_sample=error) in the other rank's range, or in the main rank's, ends both
+    ranks with that line's error within a bounded time, and leaves no cache."""
+    good = _write(tmp_path / "good.jsonl", _spread_rows(400))
+    rows = [{"messages": _turns(f"{i}+1?", str(i + 1))} for i in range(400)]
+    helper_bad = _write(tmp_path / "bad1.jsonl", [*rows[:75], "not json", *rows[75:]])  # range 1 of 8
+    main_bad = _write(tmp_path / "bad0.jsonl", ["not json", *rows])  # range 0: the main rank's
+    files = [(good, "skip"), (helper_bad, "error"), (main_bad, "error")]
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    args = (tmp_path / "store", folders["qwen2"], files, tmp_path / "c", results)
+    ranks = [context.Process(target=_rank, args=(r, *args)) for r in range(2)]
+    for process in ranks:
+        process.start()
+    got = {}
+    try:
+        for _ in range(2 * len(files)):
+            rank, path, status, share, error = results.get(timeout=240)  # a hang fails here, not in CI's
+            assert status != "crashed", error
+            got[rank, path] = (status, share, error)
+        for process in ranks:
+            process.join(timeout=60)
+            assert process.exitcode == 0
+    finally:
+        for process in ranks:  # a rank left waiting must not outlive the test
+            if process.is_alive():
+                process.terminate()
+    (status0, share0, _), (status1, share1, _) = got[0, str(good)], got[1, str(good)]
+    assert (status0, status1) == ("built", "reused")
+    assert share0[1] == share1[1] == 8 and share0[0] + share1[0] == 8 and share1[0] >= 1
+    serial = CachedConversationDataset(good, processors["qwen2"], 128, "skip", cache_dir=tmp_path / "s")
+    shared = CachedConversationDataset(good, processors["qwen2"], 128, "skip", cache_dir=tmp_path / "c")
+    assert shared.cache_status == "reused" and serial.report.num_skipped == 7
+    assert _folder_bytes(shared.cache.folder) == _folder_bytes(serial.cache.folder)
+    for path, line in ((helper_bad, 76), (main_bad, 1)):
+        for rank in (0, 1):
+            status, _, error = got[rank, str(path)]
+            assert status == "failed" and f"{path.name}:{line}: not valid JSON" in error, (rank, error)
+            assert "on_bad_sample=skip" in error
+    left = [p.name for p in (tmp_path / "c").iterdir() if p.is_dir() and not p.name.startswith(".")]
+    assert left == [shared.cache.folder.name]  # the bad files left no cache
