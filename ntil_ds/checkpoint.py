@@ -60,6 +60,7 @@ RESUMABLE_CHANGES = (
     "data.cache",  # the cache holds exactly the samples an uncached start encodes
     "data.cache_dir",
     "model.attn_implementation",  # the same attention on other hardware (sdpa <-> flash-attn)
+    "model.experts_implementation",  # the same experts' function, looped or batched (per device)
     "model.kernels",  # fused kernels compute the same functions
     "loss.kernel",  # the same loss through the Triton kernel or the torch tiles
     "loss.number_stage",  # the same number stage, compiled or eager
