@@ -54,3 +54,21 @@ def experts_kwargs(hf_config: Any, requested: str, device: torch.device | None) 
     if not num_experts(hf_config):
         return {}
     return {"experts_implementation": resolve_experts_implementation(requested, device)}
+
+
+def refuse_tensor_parallel_experts(hf_config: Any, ds_config: dict[str, Any] | None) -> None:
+    """AutoTP with a mixture of experts is refused before any weight is read. Measured with DeepSpeed
+    0.19.8 and transformers 5.24 (Qwen3-VL-MoE, 2 ranks): ``deepspeed.initialize`` rejects the model's
+    own tensor-parallel plan, whose fused experts are split with styles it does not implement
+    (``moe_tp_experts``, ``packed_colwise``), after the whole model has loaded."""
+    from ntil_ds.ds_config import tensor_parallel_size
+    from ntil_ds.model.parts import num_experts
+
+    size = tensor_parallel_size(ds_config or {})
+    if size > 1 and num_experts(hf_config):
+        raise ConfigError(
+            f"tensor_parallel.autotp_size={size} with a mixture-of-experts model ({num_experts(hf_config)} "
+            "experts): DeepSpeed 0.19.8's AutoTP cannot split fused experts (it rejects transformers' "
+            "tensor-parallel plan: 'moe_tp_experts', 'packed_colwise'); use a DeepSpeed JSON without the "
+            "tensor_parallel block (configs/deepspeed/zero3.json): ZeRO-3 partitions the experts instead"
+        )

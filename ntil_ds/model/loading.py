@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ntil_ds.config import ConfigError, LoraConfig, ModelConfig
-from ntil_ds.model.experts import experts_kwargs
+from ntil_ds.model.experts import experts_kwargs, refuse_tensor_parallel_experts
 from ntil_ds.model.kernels import apply_kernels, require_kernels
 from ntil_ds.model.lora import apply_lora
 from ntil_ds.model.parts import DTYPES, Kind, auto_model_class, has_vision, model_kind, model_part
@@ -96,6 +96,7 @@ def load_model(
     hf_config = AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
     # model.kind against the checkpoint: a contradiction is a ConfigError here, before any weight is read.
     auto_class = auto_model_class(cfg.kind, hf_config)
+    refuse_tensor_parallel_experts(hf_config, ds_config)
     kind = model_kind(cfg.kind, hf_config)
     attn = resolve_attn_implementation(cfg.attn_implementation, device)
     dtype = DTYPES[cfg.dtype]

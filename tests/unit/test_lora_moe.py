@@ -1,6 +1,7 @@
-"""LoRA / QLoRA on mixture-of-experts models, one process: what trains with adapters on attention only
-and with ``lora.experts=true`` (peft's adapters on the fused experts' 3-D weights), the merged export
-reloading as a plain model, the experts' implementation, and the recipes refused at start."""
+"""LoRA / QLoRA, AutoTP and the experts implementation on mixture-of-experts models, one process: what
+trains with adapters on attention only and with ``lora.experts=true`` (peft's adapters on the fused
+experts' 3-D weights), the merged export reloading as a plain model, the experts' implementation, and
+the recipes refused at start."""
 
 import pytest
 import torch
@@ -167,3 +168,15 @@ def test_experts_implementation_is_resolved_per_device_and_each_computes_the_sam
     for impl in ("batched_mm", "grouped_mm"):
         torch.testing.assert_close(losses[impl], losses["eager"], rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(grads[impl], grads["eager"], rtol=1e-5, atol=1e-6)
+
+
+def test_autotp_with_a_moe_model_is_refused_before_loading(folders):
+    """Measured (DeepSpeed 0.19.8, 2 ranks, configs/deepspeed/zero3_autotp.json): deepspeed.initialize
+    rejects Qwen3-VL-MoE's tensor-parallel plan ('moe_tp_experts', 'packed_colwise') after the full load;
+    the load refuses it first, saying why and what to use. A dense model is not refused here."""
+    autotp = {"tensor_parallel": {"autotp_size": 2, "vocab_parallel_lm_head": True}}
+    cfg = _cfg(folders["qwen3_vl_moe"], "lora.enabled=false")
+    with pytest.raises(ConfigError, match=r"autotp_size=2 with a mixture-of-experts model .*zero3.json"):
+        load_model(cfg.model, ds_config=autotp)
+    dense = _cfg(folders["qwen2_vl"], "model.init=random", "lora.enabled=false")
+    assert load_model(dense.model, ds_config=autotp).experts_implementation == ""
