@@ -92,12 +92,20 @@ def main(argv=None) -> None:
             times[impl].append(time.perf_counter() - start)
     auto = resolve_experts_implementation("auto", torch.device(args.device))
     eager = statistics.median(times["eager"])
-    print(f"shape (hidden, experts, intermediate, top_k, tokens) = {SHAPES[args.device]}, {dtype}; auto = {auto}")
+    print(
+        f"shape (hidden, experts, intermediate, top_k, tokens) = {SHAPES[args.device]}, {dtype}; auto = {auto}"
+    )
     print("| implementation | forward+backward | / eager | max abs diff vs eager |")
     print("|---|---|---|---|")
     for impl in impls:
         median = statistics.median(times[impl])
-        row = {"impl": impl, "device": args.device, "seconds": median, "ratio": median / eager, "diff": diffs[impl]}
+        row = {
+            "impl": impl,
+            "device": args.device,
+            "seconds": median,
+            "ratio": median / eager,
+            "diff": diffs[impl],
+        }
         print(json.dumps(row))
         mark = " (auto)" if impl == auto else ""
         print(f"| {impl}{mark} | {median * 1e3:.1f} ms | {median / eager:.2f} | {diffs[impl]:.1e} |")

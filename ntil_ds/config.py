@@ -331,7 +331,9 @@ def _validate_lora(cfg: Config) -> None:
                 f"lora.quantize={lora.quantize} needs lora.enabled=true (QLoRA is LoRA on 4-bit weights)"
             )
         if lora.experts:
-            raise ConfigError("lora.experts=true needs lora.enabled=true (it puts LoRA adapters on the experts)")
+            raise ConfigError(
+                "lora.experts=true needs lora.enabled=true (it puts LoRA adapters on the experts)"
+            )
         if lora.head != "full":
             raise ConfigError(
                 f"lora.head={lora.head} needs lora.enabled=true (full fine-tuning trains the whole head; "

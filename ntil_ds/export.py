@@ -74,7 +74,9 @@ def save_lora_export(model: nn.Module, state_dict: dict[str, torch.Tensor], out_
         base = model.get_base_model()
         if getattr(base, "hf_quantizer", None) is not None:  # QLoRA
             state_dict = dequantized_state_dict(model, state_dict)
-        merged = merged_state_dict(state_dict, scaling=lora.alpha / lora.r, param_wrappers=param_wrappers(model))
+        merged = merged_state_dict(
+            state_dict, scaling=lora.alpha / lora.r, param_wrappers=param_wrappers(model)
+        )
         if head is not None:
             delta = merged.pop("lm_head.delta")
             merged["lm_head.weight"] = fold_delta(merged["lm_head.weight"], head.rows, delta)
@@ -221,7 +223,9 @@ def _expert_deltas(state_dict: dict[str, torch.Tensor], wrappers: dict[str, str]
             inner += ".base_layer"
         key = f"{inner}.{param_name}"
         experts = state_dict[key].shape[0]
-        delta = torch.einsum("ore,eri->eoi", b.reshape(b.shape[0], -1, experts), a.reshape(experts, -1, a.shape[-1]))
+        delta = torch.einsum(
+            "ore,eri->eoi", b.reshape(b.shape[0], -1, experts), a.reshape(experts, -1, a.shape[-1])
+        )
         deltas[key] = scaling * delta
     return deltas
 

@@ -68,15 +68,21 @@ def test_what_trains_attention_adapters_and_on_request_the_experts(folders, kind
     model = _load(folders[kind], f"lora.experts={str(experts).lower()}").model
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     attention = {n for n in trainable if "lora_" in n and n.split(".")[-4] in ATTENTION}
-    expert_adapters = {n for n in trainable if "lora_" in n and moe_part(n.replace(".base_layer", "")) == "experts"}
+    expert_adapters = {
+        n for n in trainable if "lora_" in n and moe_part(n.replace(".base_layer", "")) == "experts"
+    }
     # Dense-named MLP projections do not exist in a MoE layer: attention's 4 per layer, A and B each.
     assert len(attention) == LAYERS * 4 * 2, sorted(trainable)
     # With lora.experts: each layer's gate_up_proj and down_proj, one A and one B each.
     assert len(expert_adapters) == (LAYERS * 2 * 2 if experts else 0), sorted(trainable)
     head = {n for n in trainable if "lm_head.modules_to_save" in n}
-    assert trainable == attention | expert_adapters | head, sorted(trainable - attention - expert_adapters - head)
+    assert trainable == attention | expert_adapters | head, sorted(
+        trainable - attention - expert_adapters - head
+    )
     # The routers and the experts' own weights stay frozen; every trained tensor gets a gradient.
-    frozen_moe = [n for n, p in model.named_parameters() if moe_part(n.replace(".base_layer", "")) and "lora_" not in n]
+    frozen_moe = [
+        n for n, p in model.named_parameters() if moe_part(n.replace(".base_layer", "")) and "lora_" not in n
+    ]
     assert frozen_moe and not any(model.get_parameter(n).requires_grad for n in frozen_moe)
     grads = _grads(model)
     assert all(g is not None and torch.isfinite(g).all() for g in grads.values())
