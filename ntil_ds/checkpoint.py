@@ -61,6 +61,7 @@ RESUMABLE_CHANGES = (
     "data.cache_dir",
     "data.encode_workers",  # a parallel build writes the same cache byte for byte
     "model.attn_implementation",  # the same attention on other hardware (sdpa <-> flash-attn)
+    "model.experts_implementation",  # the same experts' function, looped or batched (per device)
     "model.kernels",  # fused kernels compute the same functions
     "loss.kernel",  # the same loss through the Triton kernel or the torch tiles
     "loss.number_stage",  # the same number stage, compiled or eager

@@ -50,6 +50,10 @@ class ModelConfig:
     # Mixture of experts: the router's load-balancing loss coefficient (ntil_ds/moe.py); unset: the
     # checkpoint's own router_aux_loss_coef (Qwen3-VL-MoE: 0.001); 0 logs the loss without training it.
     router_aux_loss_coef: float | None = None
+    # Mixture of experts: how transformers runs the fused experts (ntil_ds/model/experts.py): eager (a loop
+    # over the experts), batched_mm, grouped_mm; auto: the fastest measured on the device (grouped_mm on
+    # CPU and CUDA sm80+). The resolved one is logged as the run parameter model.experts_implementation_resolved.
+    experts_implementation: Literal["auto", "eager", "batched_mm", "grouped_mm"] = "auto"
 
 
 @dataclass
@@ -76,6 +80,10 @@ class LoraConfig:
     quantize: Literal["none", "nf4"] = "none"
     # Also write export/merged/: base + adapters merged, loads with plain from_pretrained.
     merge_on_export: bool = False
+    # Mixture of experts: also adapters on the fused experts' 3-D weights (gate_up_proj, down_proj: one
+    # low-rank delta per expert, peft's target_parameters). Off: adapters on attention only, experts frozen.
+    # Needs lora.dropout=0 (peft cannot apply dropout to a weight delta) and lora.quantize=none.
+    experts: bool = False
 
 
 @dataclass
@@ -347,6 +355,10 @@ def _validate_lora(cfg: Config) -> None:
             raise ConfigError(
                 f"lora.quantize={lora.quantize} needs lora.enabled=true (QLoRA is LoRA on 4-bit weights)"
             )
+        if lora.experts:
+            raise ConfigError(
+                "lora.experts=true needs lora.enabled=true (it puts LoRA adapters on the experts)"
+            )
         if lora.head != "full":
             raise ConfigError(
                 f"lora.head={lora.head} needs lora.enabled=true (full fine-tuning trains the whole head; "
@@ -357,6 +369,17 @@ def _validate_lora(cfg: Config) -> None:
         raise ConfigError(
             f"lora.modules_to_save={lora.modules_to_save!r} trains the whole output head, which contradicts "
             f"lora.head={lora.head}; remove lm_head from lora.modules_to_save (lora.head decides the head)"
+        )
+    if lora.experts and lora.dropout:
+        raise ConfigError(
+            f"lora.experts=true adapts the experts' weights directly (peft's target_parameters), which cannot "
+            f"apply dropout: set lora.dropout=0 (it is {lora.dropout})"
+        )
+    if lora.experts and lora.quantize != "none":
+        raise ConfigError(
+            "lora.experts=true with lora.quantize=nf4: bitsandbytes 4-bit covers linear layers only, not the "
+            "experts' 3-D weights (they would stay 16-bit); set lora.quantize=none, or lora.experts=false "
+            "to put QLoRA on attention with the experts frozen in 16 bits"
         )
     if lora.r <= 0 or lora.alpha <= 0:
         raise ConfigError(f"lora.r={lora.r} and lora.alpha={lora.alpha} must be > 0")

@@ -74,11 +74,18 @@ def save_lora_export(model: nn.Module, state_dict: dict[str, torch.Tensor], out_
         base = model.get_base_model()
         if getattr(base, "hf_quantizer", None) is not None:  # QLoRA
             state_dict = dequantized_state_dict(model, state_dict)
-        merged = merged_state_dict(state_dict, scaling=lora.alpha / lora.r)
+        merged = merged_state_dict(
+            state_dict, scaling=lora.alpha / lora.r, param_wrappers=param_wrappers(model)
+        )
         if head is not None:
             delta = merged.pop("lm_head.delta")
             merged["lm_head.weight"] = fold_delta(merged["lm_head.weight"], head.rows, delta)
-        with _without_weight_conversions(base), _seen_as_unquantized(base), _untied(base, head is not None):
+        with (
+            _without_weight_conversions(base),
+            _seen_as_unquantized(base),
+            _untied(base, head is not None),
+            _expert_wrappers_removed(base),
+        ):
             base.save_pretrained(out_dir / MERGED_DIR, state_dict=merged, safe_serialization=True)
     log.info("exported the LoRA adapter to %s%s", out_dir, " (+ merged/)" if lora.merge_on_export else "")
 
@@ -114,6 +121,29 @@ def _untied(model: nn.Module, untie: bool) -> Iterator[None]:
     finally:
         for c in tied:
             c.tie_word_embeddings = True
+
+
+@contextlib.contextmanager
+def _expert_wrappers_removed(model: nn.Module) -> Iterator[None]:
+    """``model`` with peft's ParamWrappers (``lora.experts``) replaced by the experts modules they wrap, for
+    the merged save: transformers' save reverts its weight conversions by reading each expert weight's
+    shape from the model (``get_parameter``), which a wrapper hides."""
+    swapped = []
+    for name, module in list(model.named_modules()):
+        if type(module).__name__ != "ParamWrapper" or ".base_layer" in f".{name}":
+            continue  # (the outermost wrapper of each experts module)
+        inner = module
+        while type(inner).__name__ == "ParamWrapper":
+            inner = inner.base_layer
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        setattr(parent, child, inner)
+        swapped.append((parent, child, module))
+    try:
+        yield
+    finally:
+        for parent, child, module in swapped:
+            setattr(parent, child, module)
 
 
 @contextlib.contextmanager
@@ -170,13 +200,50 @@ def dequantized_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]
     return result
 
 
-def merged_state_dict(state_dict: dict[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor]:
-    """The PeftModel's weights as the plain model's: ``W + scaling * B @ A`` for each adapted layer, the
-    trained copy of each ``modules_to_save`` module in place of the original, peft's names removed."""
+def param_wrappers(model: nn.Module) -> dict[str, str]:
+    """peft's adapters on 3-D expert weights (``lora.experts``: ``ParamWrapper``, nested one per weight on
+    the experts module): each wrapper's state-dict prefix -> the name of the weight it adapts."""
+    return {
+        name: module.parameter_name
+        for name, module in model.named_modules()
+        if type(module).__name__ == "ParamWrapper" and hasattr(module, "parameter_name")
+    }
+
+
+def _expert_deltas(state_dict: dict[str, torch.Tensor], wrappers: dict[str, str], scaling: float) -> dict:
+    """``{weight's state-dict key: scaling * delta}`` for each adapted [E, out, in] expert weight: expert e's
+    delta is ``B_e @ A_e`` with ``A = lora_A [r*E, in]`` as [E, r, in], ``B = lora_B [out, r*E]`` as
+    [out, r, E] (peft's ParamWrapper layout)."""
+    deltas = {}
+    for prefix, param_name in wrappers.items():
+        a = state_dict[f"{prefix}.lora_A.default.weight"].double()
+        b = state_dict[f"{prefix}.lora_B.default.weight"].double()
+        inner = f"{prefix}.base_layer"
+        while f"{inner}.{param_name}" not in state_dict:  # the weight sits below the nested wrappers
+            inner += ".base_layer"
+        key = f"{inner}.{param_name}"
+        experts = state_dict[key].shape[0]
+        delta = torch.einsum(
+            "ore,eri->eoi", b.reshape(b.shape[0], -1, experts), a.reshape(experts, -1, a.shape[-1])
+        )
+        deltas[key] = scaling * delta
+    return deltas
+
+
+def merged_state_dict(
+    state_dict: dict[str, torch.Tensor], scaling: float, param_wrappers: dict[str, str] | None = None
+) -> dict[str, torch.Tensor]:
+    """The PeftModel's weights as the plain model's: ``W + scaling * B @ A`` for each adapted layer (and
+    each adapted expert weight: ``param_wrappers``, :func:`param_wrappers` of the model), the trained copy
+    of each ``modules_to_save`` module in place of the original, peft's names removed."""
     merged: dict[str, torch.Tensor] = {}
+    expert_deltas = _expert_deltas(state_dict, param_wrappers or {}, scaling)
     for key, value in state_dict.items():
         name = key.removeprefix(_PEFT_PREFIX)
         if ".lora_A." in name or ".lora_B." in name or ".original_module." in name:
+            continue
+        if key in expert_deltas:
+            merged[name.replace(".base_layer", "")] = (value.double() + expert_deltas[key]).to(value.dtype)
             continue
         if ".base_layer." in name:
             layer = name.replace(".base_layer.", ".", 1)

@@ -369,7 +369,8 @@ class Trainer:
         tracker.log_artifact(self.output_dir / "config.yaml")
         tracker.log_artifact(self.output_dir / "deepspeed.json")
         if not resumed:
-            tracker.log_params(flatten(self.cfg))
+            resolved = {"model.experts_implementation_resolved": self.loaded.experts_implementation or "none"}
+            tracker.log_params(flatten(self.cfg) | resolved)
             # Nothing is lost silently: skipped samples are counted in the run, not only in the log.
             report = self.train_data.report
             tracker.log_metrics(

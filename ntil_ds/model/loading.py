@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ntil_ds.config import ConfigError, LoraConfig, ModelConfig
+from ntil_ds.model.experts import experts_kwargs, refuse_tensor_parallel_experts
 from ntil_ds.model.kernels import apply_kernels, require_kernels
 from ntil_ds.model.lora import apply_lora
 from ntil_ds.model.parts import DTYPES, Kind, auto_model_class, has_vision, model_kind, model_part
@@ -40,6 +41,8 @@ class LoadedModel:
     kind: Kind
     dtype: torch.dtype
     attn_implementation: str
+    # The fused experts' implementation (ntil_ds/model/experts.py); "" for a dense model.
+    experts_implementation: str = ""
     # HfDeepSpeedConfig: must outlive the model under ZeRO-3 (transformers holds a weakref).
     zero3_config: Any = field(default=None, repr=False)
 
@@ -93,10 +96,12 @@ def load_model(
     hf_config = AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
     # model.kind against the checkpoint: a contradiction is a ConfigError here, before any weight is read.
     auto_class = auto_model_class(cfg.kind, hf_config)
+    refuse_tensor_parallel_experts(hf_config, ds_config)
     kind = model_kind(cfg.kind, hf_config)
     attn = resolve_attn_implementation(cfg.attn_implementation, device)
     dtype = DTYPES[cfg.dtype]
     common = {"dtype": dtype, "attn_implementation": attn, "trust_remote_code": cfg.trust_remote_code}
+    common |= experts_kwargs(hf_config, cfg.experts_implementation, device)
     if cfg.init == "random":
         # Built where it trains (not under ZeRO-3, whose zero.Init places the parameters itself): a 2B
         # model's init on the CPU is tens of seconds, single-threaded. That device's generator, seeded
@@ -111,12 +116,13 @@ def load_model(
         if quantization:
             check_quantized(model, lora)
     log.info(
-        "model %s (%s, %s, init=%s) attention=%s",
+        "model %s (%s, %s, init=%s) attention=%s%s",
         cfg.name_or_path,
         type(model).__name__,
         cfg.dtype,
         cfg.init,
         attn,
+        f" experts={model.config._experts_implementation}" if "experts_implementation" in common else "",
     )
 
     # Fused Liger kernels when model.kernels=liger (ntil_ds/model/kernels.py).
@@ -138,6 +144,9 @@ def load_model(
         kind=kind,
         dtype=dtype,
         attn_implementation=attn,
+        experts_implementation=experts_kwargs(hf_config, cfg.experts_implementation, device).get(
+            "experts_implementation", ""
+        ),
         zero3_config=zero3_config,
     )
 

@@ -28,7 +28,7 @@ from torch import nn
 
 from ntil_ds.config import ConfigError, LoraConfig, ModelConfig
 from ntil_ds.model.head_rows import attach_number_rows
-from ntil_ds.model.parts import has_vision, model_part
+from ntil_ds.model.parts import expert_modules, has_vision, model_part, num_experts
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +63,27 @@ def lora_target_names(model: nn.Module, lora: LoraConfig) -> list[str]:
             f"{type(model).__name__}; use layer names like q_proj,v_proj or all-linear"
         )
     return names
+
+
+def lora_expert_parameters(model: nn.Module, lora: LoraConfig) -> list[str]:
+    """With ``lora.experts``: full names of the fused experts' 3-D weights (``...mlp.experts.gate_up_proj``,
+    ``down_proj``) that get adapters (peft's ``target_parameters``: one rank-r delta per expert); [] without.
+    A model without experts is refused (the key would do nothing)."""
+    if not lora.experts:
+        return []
+    count = num_experts(model.config)
+    if not count:
+        raise ConfigError(
+            f"lora.experts=true but {type(model).__name__} has no experts (a dense model); set lora.experts=false"
+        )
+    experts = {id(module) for module in expert_modules(model)}
+    return [
+        f"{name}.{param_name}"
+        for name, module in model.named_modules()
+        if id(module) in experts
+        for param_name, param in module.named_parameters(recurse=False)
+        if len(tuple(getattr(param, "ds_shape", None) or param.shape)) == 3
+    ]
 
 
 def _modules_to_save(model: nn.Module, cfg: ModelConfig, lora: LoraConfig) -> list[str]:
@@ -112,6 +133,7 @@ def apply_lora(
     if lora.head == "number_rows" and not number_rows:
         raise ValueError("lora.head=number_rows: give the head rows to train (number_rows=token ids)")
     targets = lora_target_names(model, lora)
+    expert_weights = lora_expert_parameters(model, lora)
     to_save = _modules_to_save(model, cfg, lora)
     peft_config = PeftLoraConfig(
         r=lora.r,
@@ -119,6 +141,7 @@ def apply_lora(
         lora_dropout=lora.dropout,
         # Full module names: an exact list, so nothing outside the language model matches by accident.
         target_modules=targets,
+        target_parameters=expert_weights or None,
         modules_to_save=to_save or None,
         bias="none",
         # Tied input/output embeddings (Gemma 3) with lora.head=full: the trained copy of lm_head stays
@@ -133,10 +156,12 @@ def apply_lora(
     setattr(peft_model, _LORA_CONFIG_ATTR, lora)
     trainable = sum(p.numel() if not hasattr(p, "ds_numel") else p.ds_numel for p in _trainable(peft_model))
     log.info(
-        "LoRA r=%d alpha=%g on %d linear layers; trained in full: %s;%s %d trainable parameters",
+        "LoRA r=%d alpha=%g on %d linear layers and %d expert weights; trained in full: %s;%s %d trainable "
+        "parameters",
         lora.r,
         lora.alpha,
         len(targets),
+        len(expert_weights),
         ", ".join(to_save) or "nothing",
         f" the head's rows of {len(number_rows)} number tokens;" if lora.head == "number_rows" else "",
         trainable,

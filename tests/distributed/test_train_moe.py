@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ntil_ds.jobs import REPO_ROOT
-from tests.distributed.training_runs import launch_env, run_training, train_metrics
+from tests.distributed.training_runs import kill_after_checkpoint, launch_env, run_training, train_metrics
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -114,11 +114,9 @@ def hub_layout(weights_file) -> None:
     save_file(weights, weights_file, metadata={"format": "pt"})
 
 
-def run_moe_steps(root, folder, data_file, name: str, nproc: int, micro_batch_size: int, **extra):
-    out, probe_dir = root / name, root / f"{name}_probe"
-    probe_dir.mkdir()
-    overrides = {
-        "output_dir": out,
+def moe_overrides(root, folder, data_file, name: str, nproc: int, micro_batch_size: int, **extra) -> dict:
+    return {
+        "output_dir": root / name,
         "model.name_or_path": folder,
         "model.init": "pretrained",
         "model.dtype": "float32",
@@ -143,6 +141,12 @@ def run_moe_steps(root, folder, data_file, name: str, nproc: int, micro_batch_si
         "model.router_aux_loss_coef": AUX_COEF,
         **extra,
     }
+
+
+def run_moe_steps(root, folder, data_file, name: str, nproc: int, micro_batch_size: int, **extra):
+    out, probe_dir = root / name, root / f"{name}_probe"
+    probe_dir.mkdir(exist_ok=True)
+    overrides = moe_overrides(root, folder, data_file, name, nproc, micro_batch_size, **extra)
     env = launch_env(MOE_PROBE_DIR=str(probe_dir))
     result = run_training(overrides, nproc=nproc, script=PROBE_JOB, env=env, timeout=JOB_TIMEOUT_S)
     assert result.returncode == 0, result.stdout[-6000:]
@@ -151,18 +155,26 @@ def run_moe_steps(root, folder, data_file, name: str, nproc: int, micro_batch_si
         "routes": [p["routes"] for p in probes],
         "aux": [p["aux"] for p in probes],
         "metrics": train_metrics(out),
-        "weights": load_file(out / "export" / "model.safetensors"),
+        # (a LoRA run: its merged export, a plain model)
+        "weights": load_file(
+            out / "export" / ("merged" if (out / "export" / "merged").exists() else "") / "model.safetensors"
+        ),
         "log": result.stdout,
     }
 
 
+@pytest.fixture(scope="module")
+def reference(moe_setup):
+    """One process, the whole global batch of each step as 4 micro-batches of one sample: the same
+    micro-batches as the split run's, since the aux loss of a micro-batch is not additive over samples
+    (a product of two means) and so, like NTIL's terms, legitimately depends on the split."""
+    root, folder, data_file, _ = moe_setup
+    return run_moe_steps(root, folder, data_file, "single", nproc=1, micro_batch_size=1)
+
+
 @pytest.mark.timeout(900)
-def test_disjoint_experts_on_two_zero3_ranks_equal_one_process(moe_setup):
+def test_disjoint_experts_on_two_zero3_ranks_equal_one_process(moe_setup, reference):
     root, folder, data_file, dataset = moe_setup
-    # One process, the whole global batch of each step as 4 micro-batches of one sample: the same
-    # micro-batches as the split run's, since the aux loss of a micro-batch is not additive over samples
-    # (a product of two means) and so, like NTIL's terms, legitimately depends on the split.
-    reference = run_moe_steps(root, folder, data_file, "single", nproc=1, micro_batch_size=1)
     split = run_moe_steps(root, folder, data_file, "split", nproc=2, micro_batch_size=1)
 
     # The routing the weights force: every forward of rank 0 used experts {0, 1} only, rank 1's {2, 3}
@@ -203,3 +215,58 @@ def test_disjoint_experts_on_two_zero3_ranks_equal_one_process(moe_setup):
     assert len(set(targets[:4])) > 1  # unequal counts in a step: the weighting matters
     experts = [n for n in initial if ".mlp.experts." in n]
     assert experts and all(not torch.equal(reference["weights"][n], initial[n]) for n in experts)
+
+
+# LoRA on attention and on the experts (lora.experts: peft's adapters on the fused 3-D weights), under
+# ZeRO-2; lr high enough that the adapters move the loss within the 3 steps.
+LORA = {
+    "lora.enabled": "true",
+    "lora.experts": "true",
+    "lora.r": 4,
+    "lora.alpha": 8,
+    "lora.dropout": 0.0,
+    "lora.merge_on_export": "true",
+    "model.freeze_vision_tower": "true",
+    "deepspeed": "configs/deepspeed/zero2.json",
+}
+
+
+@pytest.mark.timeout(1200)
+def test_disjoint_experts_zero2_lora_killed_and_resumed_equal_one_process(moe_setup, reference):
+    """One 2-rank job serves ZeRO-2, LoRA on the experts and a kill: killed (launcher and workers, as a
+    node failure) once its step-1 checkpoint is complete, resumed to the end; every step's loss, grad
+    norm and aux loss equal one process's LoRA run on the full batch, the resumed forwards still routed
+    apart, and the merged exports equal. Its first step also equals the full fine-tuning reference's
+    (the adapters start at zero: the same forward)."""
+    root, folder, data_file, _ = moe_setup
+    lora_one = run_moe_steps(root, folder, data_file, "lora_single", nproc=1, micro_batch_size=1, **LORA)
+    split = {**LORA, "train.save_every": 1}
+    overrides = moe_overrides(root, folder, data_file, "lora_split", nproc=2, micro_batch_size=1, **split)
+    kill_after_checkpoint(overrides, 1, log_path=root / "lora_killed.log", timeout=JOB_TIMEOUT_S)
+    out = root / "lora_split"
+    assert not (out / "checkpoints" / f"step_{STEPS:08d}").exists()
+    resumed = run_moe_steps(root, folder, data_file, "lora_split", nproc=2, micro_batch_size=1, **split)
+    assert "resumed from" in resumed["log"]
+    assert "LoRA r=4 alpha=8 on 8 linear layers and 4 expert weights" in resumed["log"]
+    # The resumed steps (2..STEPS): rank 0's forwards used experts {0, 1} only, rank 1's {2, 3}.
+    layers_per_step = 2 * 2
+    assert len(resumed["routes"][0]) == len(resumed["routes"][1]) == layers_per_step * (STEPS - 1)
+    assert all(r == [0, 1] for r in resumed["routes"][0]), resumed["routes"][0]
+    assert all(r == [2, 3] for r in resumed["routes"][1]), resumed["routes"][1]
+
+    got, want = resumed["metrics"], lora_one["metrics"]
+    assert sorted(got) == sorted(want) == list(range(1, STEPS + 1))
+    for step in range(1, STEPS + 1):
+        for key in ("loss", "grad_norm", "aux_loss"):
+            assert got[step][key] == pytest.approx(want[step][key], rel=1e-5), (step, key)
+    assert got[STEPS]["loss"] != pytest.approx(got[1]["loss"], rel=1e-3)  # the adapters trained
+    for key in ("loss", "aux_loss"):
+        assert got[1][key] == pytest.approx(reference["metrics"][1][key], rel=1e-6), key
+    assert got[1]["grad_norm"] < reference["metrics"][1]["grad_norm"]  # only the adapters and the head
+    for name, expected in lora_one["weights"].items():
+        torch.testing.assert_close(resumed["weights"][name], expected, rtol=1e-5, atol=1e-7, msg=name)
+    experts = [n for n in lora_one["weights"] if n.endswith(".mlp.experts.gate_up_proj")]
+    initial = load_file(folder / "model.safetensors")
+    assert experts and all(
+        not torch.equal(lora_one["weights"][n], initial[n].transpose(1, 2)) for n in experts
+    ), "the merged experts equal the base: the expert adapters did not train"
