@@ -14,6 +14,7 @@ import torch
 
 from ntil_ds.loss.grouped_terms import NumberTokenTable, grouped_number_terms
 from ntil_ds.loss.ntil import NTILLoss
+from ntil_ds.loss.number_terms import resolve_number_stage
 
 # The Triton vocabulary kernels hold the gathered columns as one vector of next_power_of_2(K) lanes and their
 # backward forms a [lanes, lanes] same-id matrix: at K = 1,110 (widths 1-3) that is 2048**2 = 4M elements,
@@ -35,11 +36,6 @@ class GroupedNTILLoss(NTILLoss):
 
     def __init__(self, number_token_table, **kwargs) -> None:
         table = NumberTokenTable.of(number_token_table)
-        if kwargs.get("number_stage") == "triton":
-            raise ValueError(
-                "GroupedNTILLoss: number_stage='triton' is not available for grouped digits (the Triton number "
-                "kernels read ten digit columns); use number_stage='auto', 'eager' or 'compile'."
-            )
         columns = len(table.column_ids) + int(bool(kwargs.get("signed_numbers")))
         self.kernel_note = ""
         if columns > KERNEL_MAX_COLUMNS:
@@ -82,14 +78,76 @@ class GroupedNTILLoss(NTILLoss):
         return targets.flatten(), noise
 
     def number_stage_for(self, columns: torch.Tensor) -> str:
-        return "compile" if self.number_stage == "compile" else "eager"
+        stage = resolve_number_stage(self.number_stage, columns.dtype, columns.device)
+        return stage if stage != "triton" or grouped_kernel_module() is not None else "eager"
+
+    def _column_map(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The table's ids sorted, and each one's column: labels -> columns by one searchsorted."""
+        if device not in self._number_ids:
+            ids = torch.tensor(self.number_token_table.column_ids, dtype=torch.long, device=device)
+            self._number_ids[device] = ids.sort()
+        return self._number_ids[device]
 
     def _number_terms(self, labels, columns, row_max, noise, unpack_index):
-        _, column_ids, place_values, _ = self._device_constants(columns.device)
+        _, column_ids, place_values, tables = self._device_constants(columns.device)
         number_ids = column_ids[: len(self.number_token_table.column_ids)]
+        if self.number_stage_for(columns) == "triton":
+            sorted_ids, order = self._column_map(columns.device)
+            flat = labels.reshape(-1)
+            index = torch.searchsorted(sorted_ids, flat).clamp_(max=sorted_ids.numel() - 1)
+            column_map = torch.where(sorted_ids[index] == flat, order[index], -1).to(torch.int32)
+            return kernel_grouped_terms(
+                self._params, labels, columns, row_max, noise, unpack_index, column_map, tables,
+                self.number_token_table.noise_half,
+            )  # fmt: skip
         run = functools.partial(grouped_number_terms, self._params, self.number_token_table)
         if self.number_stage == "compile":
             if self._compiled_number_stage is None:  # once per instance; dynamic shapes
                 self._compiled_number_stage = torch.compile(run, dynamic=True)
             run = self._compiled_number_stage
         return run(labels, columns, row_max, noise, unpack_index, number_ids, place_values)
+
+
+@functools.cache
+def grouped_kernel_module():
+    """The grouped Triton number stage (ntil_ds.loss.grouped_kernel), or None where triton does not import."""
+    try:
+        from ntil_ds.loss import grouped_kernel
+    except ImportError:
+        return None
+    return grouped_kernel
+
+
+def kernel_grouped_terms(params, labels, columns, row_max, noise, unpack_index, column_map, tables, noise_half):
+    """`grouped_number_terms` on the Triton kernels (`grouped_kernel`): the same outputs, differentiable in
+    `columns` `[N, K]` (fp32); two launches forward, a zero fill and one launch backward."""
+    columns = columns.contiguous()
+    noise = None if noise is None else noise.contiguous()
+    unpack_index = None if unpack_index is None else unpack_index.contiguous()
+    return _KernelGroupedTerms.apply(
+        columns, labels.contiguous(), row_max.contiguous(), noise, unpack_index, column_map, tables,
+        (params, noise_half),
+    )  # fmt: skip
+
+
+class _KernelGroupedTerms(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, columns, labels, row_max, noise, unpack_index, column_map, tables, static):
+        ctx.set_materialize_grads(False)
+        params, noise_half = static
+        ntil, parts, saved = grouped_kernel_module().forward(
+            params, labels, columns, row_max, noise, unpack_index, column_map, tables, noise_half
+        )
+        ctx.static = static
+        ctx.save_for_backward(columns, noise, unpack_index, tables, *saved)
+        return ntil, parts
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_ntil, grad_parts):
+        columns, noise, unpack_index, tables, *saved = ctx.saved_tensors
+        params, noise_half = ctx.static
+        grad_columns = grouped_kernel_module().backward(
+            params, grad_ntil, grad_parts, columns, noise, unpack_index, tables, noise_half, saved
+        )
+        return grad_columns, None, None, None, None, None, None, None

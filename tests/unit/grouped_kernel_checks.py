@@ -1,5 +1,6 @@
-"""The Triton vocabulary kernels with a grouped-digit loss's gathered columns (widths 1-2: 110 columns), in Triton's interpreter
-on CPU (run as a script with TRITON_INTERPRET=1; tests/unit/test_loss_grouped.py runs it in a subprocess).
+"""The grouped loss's Triton kernels in Triton's interpreter on CPU: the grouped number stage (1,110 columns)
+against the float64 reference and the torch stage, and the vocabulary kernels with a grouped-digit loss's
+gathered columns (widths 1-2: 110 columns), on CPU (run as a script with TRITON_INTERPRET=1; tests/unit/test_loss_grouped.py runs it in a subprocess).
 GroupedNTILLoss(kernel="triton") against kernel="torch" (itself checked against the float64 reference),
 values and gradients, and one vocabulary shard's partials. Prints a JSON dict check name -> "ok" or the
 traceback."""
@@ -12,7 +13,14 @@ import traceback
 import torch
 
 from tests.unit.loss_kernel_checks import compare_backends, kernel_module
-from tests.unit.test_loss_grouped import SIGNED_DECIMAL, TABLE, grouped_batch
+from tests.unit.test_loss_grouped import (
+    RANDOM_CASES,
+    SIGNED_DECIMAL,
+    TABLE,
+    VOCAB,
+    _compare,
+    grouped_batch,
+)
 
 # Widths 1-2 (110 columns): the table the vocabulary kernels take (GroupedNTILLoss.KERNEL_MAX_COLUMNS).
 TABLE_12 = {1: TABLE[1], 2: TABLE[2]}
@@ -44,6 +52,77 @@ def check_one_shards_partials_with_the_tables_columns():
     want = reduce_rows(*row_partials(rows, targets, column_ids, 400, None), targets, 110, None, None)
     for name, a, b in zip(("ce", "columns", "row_max"), got[:3], want[:3], strict=True):
         torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-6, equal_nan=True, msg=name)
+
+
+def _small_number_blocks():
+    from ntil_ds.loss import grouped_kernel
+
+    grouped_kernel.SEQUENCE_BLOCK = 8  # sequences of 16-24 positions: 2-3 blocks, carries across their edges
+    return grouped_kernel
+
+
+def check_grouped_number_kernels_equal_the_float64_reference():
+    """number_stage="triton" (1,110 columns) on random cases, loss and both gradients, against the float64
+    reference at fp32's tolerance (the torch stage's fp32 test's)."""
+    _small_number_blocks()
+    for seed, (name, options) in enumerate(RANDOM_CASES.items()):
+        try:
+            out = _compare(
+                {**options, "number_stage": "triton"}, seed=seed, batch=2, length=16,
+                fast_dtype=torch.float32, atol=2e-5,
+            )  # fmt: skip
+        except AssertionError as error:
+            raise AssertionError(f"{name}: {error}") from error
+        assert out.emd > 0 and out.rel > 0, name
+
+
+def _run(loss_fn, logits, labels, output, **call):
+    leaf = logits.detach().clone().requires_grad_()
+    out = loss_fn(leaf, labels, generator=torch.Generator().manual_seed(4), **call)
+    getattr(out, output).backward()
+    return out, leaf.grad
+
+
+def check_grouped_number_kernels_equal_the_torch_stage_in_float32():
+    """Tight: the kernels against number_stage="eager" on the same fp32 columns (with noise, signs, points)."""
+    from ntil_ds.loss.grouped import GroupedNTILLoss
+
+    _small_number_blocks()
+    logits, labels = grouped_batch(2, 24, seed=21, dtype=torch.float32)
+    for options in ({"gumbel_noise_scale": 1.0, **SIGNED_DECIMAL}, {"gumbel_noise_scale": 0.0}):
+        for output in ("loss", "ntil"):
+            results = {}
+            for stage in ("eager", "triton"):
+                loss_fn = GroupedNTILLoss(TABLE, kernel="torch", number_stage=stage, **options)
+                assert loss_fn.number_stage_for(logits) == stage
+                results[stage] = _run(loss_fn, logits, labels, output)
+            (out, grad), (want, want_grad) = results["triton"], results["eager"]
+            for field in ("loss", "ntil", "emd", "rel", "mag"):
+                torch.testing.assert_close(getattr(out, field), getattr(want, field), rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(grad, want_grad, rtol=1e-5, atol=1e-7)
+
+
+def check_grouped_number_kernels_on_packed_rows():
+    """Three samples packed in two rows (unpack_index) on the kernels equal the unpacked batch on them."""
+    from ntil_ds.loss.grouped import GroupedNTILLoss
+
+    _small_number_blocks()
+    loss_fn = GroupedNTILLoss(TABLE, kernel="torch", number_stage="triton", gumbel_noise_scale=0.0, **SIGNED_DECIMAL)
+    logits, labels = grouped_batch(3, 12, seed=5, dtype=torch.float32)
+    packed_logits = torch.zeros(2, 24, VOCAB)
+    packed_labels = torch.full((2, 24), -100)
+    placements = [(0, 0), (0, 12), (1, 5)]
+    for sample, (row, start) in enumerate(placements):
+        packed_logits[row, start : start + 12] = logits[sample]
+        packed_labels[row, start : start + 12] = labels[sample]
+    unpack_index = torch.tensor([[row * 24 + start + i for i in range(12)] for row, start in placements])
+    got, packed_grad = _run(loss_fn, packed_logits, packed_labels, "ntil", unpack_index=unpack_index)
+    want, grad = _run(loss_fn, logits, labels, "ntil")
+    for field in ("ntil", "emd", "rel", "mag"):
+        torch.testing.assert_close(getattr(got, field), getattr(want, field), rtol=1e-6, atol=1e-7)
+    for sample, (row, start) in enumerate(placements):
+        torch.testing.assert_close(packed_grad[row, start : start + 12], grad[sample], rtol=1e-6, atol=1e-8)
+    assert packed_grad[1, :5].abs().max() == 0 and want.rel > 0
 
 
 CHECKS = {name: value for name, value in globals().items() if name.startswith("check_")}
