@@ -48,7 +48,12 @@ STATS = 8  # per row: E_0, E_1, E_2, argmax (REL sample), its factor, argmax (MA
 # Per position, int32: [code, place, run's last position, joining dots so far, last joining dot, W].
 _WIDTH = tl.constexpr(6)
 # Codes: the column 0..1,109 of a number token; then a decimal point, a minus sign, another label, none.
-_POINT, _MINUS, _OTHER, _UNLABELLED = tl.constexpr(2000), tl.constexpr(2001), tl.constexpr(2002), tl.constexpr(2003)
+_POINT, _MINUS, _OTHER, _UNLABELLED = (
+    tl.constexpr(2000),
+    tl.constexpr(2001),
+    tl.constexpr(2002),
+    tl.constexpr(2003),
+)
 
 
 def _interpreting() -> bool:
@@ -100,19 +105,23 @@ def _position_kernel(
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     inside = rows < num_rows
     column = tl.load(column_ptr + rows, mask=inside, other=-1)
-    lanes, tile, base, pointers, width, value = _tile(columns_ptr, columns_stride, rows, column, LANES)
+    lanes, tile, base, pointers, _width, value = _tile(columns_ptr, columns_stride, rows, column, LANES)
     logits = base + tl.load(columns_ptr + pointers, mask=tile, other=0.0)
     p = _softmax(logits)
     out = stats_ptr + rows * STATS
     for j in tl.static_range(3):
         distance = tl.abs(_digit(lanes, j)[None, :] - _digit(value, j)[:, None]).to(tl.float32)
         tl.store(out + j, tl.sum(p * distance, axis=1), mask=inside)
-    noise = tl.load(noise_ptr + rows[:, None] * noise_stride + lanes[None, :], mask=tile & (has_noise != 0), other=0.0)
+    noise = tl.load(
+        noise_ptr + rows[:, None] * noise_stride + lanes[None, :], mask=tile & (has_noise != 0), other=0.0
+    )
     for sample in tl.static_range(2):
-        if sample == 1:
+        if sample == 1:  # noqa: SIM102 (sample is a constexpr; has_noise a runtime value)
             if has_noise != 0:  # the MAG sample (without noise: the REL sample again)
                 noise = tl.load(
-                    noise_ptr + rows[:, None] * noise_stride + noise_half + lanes[None, :], mask=tile, other=0.0
+                    noise_ptr + rows[:, None] * noise_stride + noise_half + lanes[None, :],
+                    mask=tile,
+                    other=0.0,
                 )
         soft = _softmax((logits + noise) / tau)
         top = tl.max(soft, axis=1)
@@ -131,7 +140,11 @@ def _digit_sum(value, place, width, factor, tables_ptr, cap, is_number):
     """sum over the token's covered digits j of digit_j(value) * factor * 10**(place + j) (0 past the cap)."""
     total = tl.zeros_like(factor)
     for j in tl.static_range(3):
-        total += _digit(value, j).to(tl.float32) * factor * _place_value(tables_ptr, place + j, cap, is_number & (j < width))
+        total += (
+            _digit(value, j).to(tl.float32)
+            * factor
+            * _place_value(tables_ptr, place + j, cap, is_number & (j < width))
+        )
     return total
 
 
@@ -203,7 +216,9 @@ def _sequence_kernel(
         one_dot = lanes < 0
         dot_at = t
         if decimal != 0:
-            joining = (code == _POINT) & (before < _POINT) & (_codes(layout_ptr, base, t + 1, length) < _POINT)
+            joining = (
+                (code == _POINT) & (before < _POINT) & (_codes(layout_ptr, base, t + 1, length) < _POINT)
+            )
             stretch = is_number | joining
             outside = tl.where(stretch, length, t)
             stretch_stop = tl.minimum(tl.associative_scan(outside, 0, _minimum), stretch_carry)
@@ -242,8 +257,12 @@ def _sequence_kernel(
         y = _digit_sum(value, place, width, ones, tables_ptr, cap, is_number)
         arg_rel = tl.load(stats + 3, mask=is_number, other=0.0).to(tl.int32)
         arg_mag = tl.load(stats + 5, mask=is_number, other=0.0).to(tl.int32)
-        x_rel = _digit_sum(arg_rel, place, width, tl.load(stats + 4, mask=is_number, other=0.0), tables_ptr, cap, is_number)
-        x_mag = _digit_sum(arg_mag, place, width, tl.load(stats + 6, mask=is_number, other=0.0), tables_ptr, cap, is_number)
+        x_rel = _digit_sum(
+            arg_rel, place, width, tl.load(stats + 4, mask=is_number, other=0.0), tables_ptr, cap, is_number
+        )
+        x_mag = _digit_sum(
+            arg_mag, place, width, tl.load(stats + 6, mask=is_number, other=0.0), tables_ptr, cap, is_number
+        )
         sums = tl.associative_scan((y, x_rel, x_mag, run_last.to(tl.int32)), 0, _segment_sums)
         open_right = sums[3] == 0
         y = tl.where(open_right, sums[0] + carry_y, sums[0])
@@ -258,7 +277,9 @@ def _sequence_kernel(
         target_sign = tl.where((signed != 0) & can_sign & (before == _MINUS), -1.0, 1.0)
         sign_rows = _rows(unpack_ptr, unpack_stride, has_unpack, seq, t - 1, length)
         reads_sign = (signed != 0) & run_start & can_sign
-        minus_logit = tl.load(columns_ptr + sign_rows * columns_stride + minus_column, mask=reads_sign, other=0.0)
+        minus_logit = tl.load(
+            columns_ptr + sign_rows * columns_stride + minus_column, mask=reads_sign, other=0.0
+        )
         row_max = tl.load(row_max_ptr + sign_rows, mask=reads_sign, other=0.0)
         predicted_sign = tl.where(reads_sign & (minus_logit >= row_max), -1.0, 1.0)
         rel, d_rel, mag, d_mag = _run_terms(x_rel, x_mag, y, predicted_sign, target_sign)
@@ -365,7 +386,9 @@ def _lanes(noise_half: int) -> int:
 def _common(params: NumberParams, columns, noise, unpack_index) -> dict:
     return {
         "has_unpack": int(unpack_index is not None),
-        "unpack": unpack_index if unpack_index is not None else torch.empty(1, dtype=torch.long, device=columns.device),
+        "unpack": unpack_index
+        if unpack_index is not None
+        else torch.empty(1, dtype=torch.long, device=columns.device),
         "unpack_stride": unpack_index.stride(0) if unpack_index is not None else 0,
         "has_noise": int(noise is not None),
         "noise": noise if noise is not None else columns,
@@ -374,7 +397,9 @@ def _common(params: NumberParams, columns, noise, unpack_index) -> dict:
     }
 
 
-def forward(params: NumberParams, labels, columns, row_max, noise, unpack_index, column_map, tables, noise_half):
+def forward(
+    params: NumberParams, labels, columns, row_max, noise, unpack_index, column_map, tables, noise_half
+):
     """(ntil [S], (emd, rel, mag) [S, 3], what the backward needs); two launches. `column_map` [N] int32:
     each row's label's table column, -1 for none; `noise_half`: 10**max_width (a sample's columns)."""
     _check_device(columns)
@@ -409,7 +434,9 @@ def forward(params: NumberParams, labels, columns, row_max, noise, unpack_index,
     return ntil, parts, (layout, coef, counts)
 
 
-def backward(params: NumberParams, grad_ntil, grad_parts, columns, noise, unpack_index, tables, noise_half, saved):
+def backward(
+    params: NumberParams, grad_ntil, grad_parts, columns, noise, unpack_index, tables, noise_half, saved
+):
     """The gradient of `columns` `[N, K]` from those of ntil `[S]` and the parts `[S, 3]` (either may be
     None): a zero fill and one launch (only the label width's columns of number rows are written)."""
     layout, coef, counts = saved
