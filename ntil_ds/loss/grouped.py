@@ -118,7 +118,9 @@ def grouped_kernel_module():
     return grouped_kernel
 
 
-def kernel_grouped_terms(params, labels, columns, row_max, noise, unpack_index, column_map, tables, noise_half):
+def kernel_grouped_terms(
+    params, labels, columns, row_max, noise, unpack_index, column_map, tables, noise_half
+):
     """`grouped_number_terms` on the Triton kernels (`grouped_kernel`): the same outputs, differentiable in
     `columns` `[N, K]` (fp32); two launches forward, a zero fill and one launch backward."""
     columns = columns.contiguous()

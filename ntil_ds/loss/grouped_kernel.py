@@ -1,23 +1,15 @@
-"""Stage 2 of the grouped-digit loss (docs/design/ntil_spec.md "Grouped digits") as three Triton kernels.
+"""Stage 2 of the grouped-digit loss (docs/design/ntil_spec.md "Grouped digits") as three Triton kernels,
+from stage 1's `[N, K]` columns (the table's, width by width: up to 1,110, then the minus sign) to the
+per-sequence ntil `[S]` and (emd, rel, mag) of `grouped_terms.grouped_number_terms` (~850 torch ops):
 
-`grouped_terms.grouped_number_terms` is ~850 small torch ops per forward + backward, a launch each on a GPU.
-Here the same computation takes stage 1's `[N, K]` columns (the table's, width 1's values first, then width
-2's and 3's: up to 1,110, then the minus sign) to the same per-sequence ntil `[S]` and (emd, rel, mag):
-
-1. `_position_kernel`, one program per `ROWS` rows of stage 1 (no layout needed): the softmax over the
-   label's width's columns (`LANES` = next power of 2 of 10**max_width lanes), each covered digit's EMD
-   term `E_j = sum_v p(v) |digit_j(v) - digit_j(label)|` and the straight-through samples' argmax and
-   float32 factor `(1 - s_max) + s_max`; 8 floats a row.
-2. `_sequence_kernel`, one program per sequence: the digit kernel's passes (`number_kernel`) with each
-   number token playing a digit's part, on those scalars: codes (the column 0..1,109) and the running sum
-   of widths W, the joining dots, then right to left the runs, each token's place `W(ref) - W(t)` (ref:
-   the run's last token or its dot), the place-weighted EMD, and X, Y as segmented scans; REL, MAG and
-   their derivatives by X at each run's first token.
-3. `_backward_kernel`, one program per `ROWS` positions: dEMD and dX through the softmaxes.
-
-Memory: O(N * K) (the gradient) plus 8 floats and 6 ints a position; nothing depends on the vocabulary.
-With the column map (3 small torch ops, no gradient) and the gradient's zero fill, a forward + backward
-is 6 launches. Written for triton >= 3.2; `TRITON_INTERPRET=1` runs it on CPU tensors.
+1. `_position_kernel` (`ROWS` rows a program): softmax over the label width's columns (`LANES` lanes),
+   each covered digit's EMD term `E_j = sum_v p(v) |digit_j(v) - digit_j(label)|`, and the straight-through
+   samples' argmax and float32 factor `(1 - s_max) + s_max`: 8 floats a row.
+2. `_sequence_kernel` (a program a sequence): `number_kernel`'s passes with each number token playing a
+   digit's part, on those scalars; a token's place is `W(ref) - W(t)` with W the running sum of widths and
+   ref the run's last token or its dot.
+3. `_backward_kernel` (`ROWS` positions a program): dEMD and dX through the softmaxes.
+Memory O(N * K); nothing depends on the vocabulary. `TRITON_INTERPRET=1` runs it on CPU tensors.
 """
 
 from __future__ import annotations
@@ -40,15 +32,19 @@ from ntil_ds.loss.number_kernel import (
 from ntil_ds.loss.numbers import NumberParams
 from ntil_ds.loss.vocab_kernel import on_device
 
-# Rows per program of the position kernels (the [ROWS, LANES] tiles), warps; the sequence kernel's step.
-ROWS, ROW_WARPS = 2, 8
+ROWS, ROW_WARPS = 2, 8  # the position kernels' [ROWS, LANES] tiles; then the sequence kernel's step
 SEQUENCE_BLOCK, SEQUENCE_WARPS = 256, 8
 STATS = 8  # per row: E_0, E_1, E_2, argmax (REL sample), its factor, argmax (MAG sample), its factor, 0
 
 # Per position, int32: [code, place, run's last position, joining dots so far, last joining dot, W].
 _WIDTH = tl.constexpr(6)
 # Codes: the column 0..1,109 of a number token; then a decimal point, a minus sign, another label, none.
-_POINT, _MINUS, _OTHER, _UNLABELLED = tl.constexpr(2000), tl.constexpr(2001), tl.constexpr(2002), tl.constexpr(2003)
+_POINT, _MINUS, _OTHER, _UNLABELLED = (
+    tl.constexpr(2000),
+    tl.constexpr(2001),
+    tl.constexpr(2002),
+    tl.constexpr(2003),
+)
 
 
 def _interpreting() -> bool:
@@ -92,6 +88,15 @@ def _tile(columns_ptr, columns_stride, rows, column, LANES: tl.constexpr):
     return lanes, tile, tl.where(valid, 0.0, float("-inf")), pointers, width, value
 
 
+@triton.jit
+def _sample(logits, noise, tau, out, inside):
+    """A straight-through sample's argmax and its float32 factor (1 - s_max) + s_max."""
+    soft = _softmax((logits + noise) / tau)
+    top = tl.max(soft, axis=1)
+    tl.store(out, tl.argmax(soft, axis=1).to(tl.float32), mask=inside)
+    tl.store(out + 1, (1.0 - top) + top, mask=inside)
+
+
 @triton.jit(do_not_specialize=["columns_stride", "noise_stride", "has_noise", "noise_half", "num_rows"])
 def _position_kernel(
     column_ptr, columns_ptr, columns_stride, noise_ptr, noise_stride, has_noise, noise_half, tau,
@@ -100,24 +105,19 @@ def _position_kernel(
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     inside = rows < num_rows
     column = tl.load(column_ptr + rows, mask=inside, other=-1)
-    lanes, tile, base, pointers, width, value = _tile(columns_ptr, columns_stride, rows, column, LANES)
+    lanes, tile, base, pointers, _, value = _tile(columns_ptr, columns_stride, rows, column, LANES)
     logits = base + tl.load(columns_ptr + pointers, mask=tile, other=0.0)
     p = _softmax(logits)
     out = stats_ptr + rows * STATS
     for j in tl.static_range(3):
         distance = tl.abs(_digit(lanes, j)[None, :] - _digit(value, j)[:, None]).to(tl.float32)
         tl.store(out + j, tl.sum(p * distance, axis=1), mask=inside)
-    noise = tl.load(noise_ptr + rows[:, None] * noise_stride + lanes[None, :], mask=tile & (has_noise != 0), other=0.0)
-    for sample in tl.static_range(2):
-        if sample == 1:
-            if has_noise != 0:  # the MAG sample (without noise: the REL sample again)
-                noise = tl.load(
-                    noise_ptr + rows[:, None] * noise_stride + noise_half + lanes[None, :], mask=tile, other=0.0
-                )
-        soft = _softmax((logits + noise) / tau)
-        top = tl.max(soft, axis=1)
-        tl.store(out + 3 + 2 * sample, tl.argmax(soft, axis=1).to(tl.float32), mask=inside)
-        tl.store(out + 4 + 2 * sample, (1.0 - top) + top, mask=inside)
+    noise = noise_ptr + rows[:, None] * noise_stride + lanes[None, :]
+    _sample(logits, tl.load(noise, mask=tile & (has_noise != 0), other=0.0), tau, out + 3, inside)
+    if has_noise != 0:  # the MAG sample (without noise: the REL sample again)
+        _sample(logits, tl.load(noise + noise_half, mask=tile, other=0.0), tau, out + 5, inside)
+    else:
+        _sample(logits, tl.zeros_like(logits), tau, out + 5, inside)
 
 
 @triton.jit
@@ -131,7 +131,11 @@ def _digit_sum(value, place, width, factor, tables_ptr, cap, is_number):
     """sum over the token's covered digits j of digit_j(value) * factor * 10**(place + j) (0 past the cap)."""
     total = tl.zeros_like(factor)
     for j in tl.static_range(3):
-        total += _digit(value, j).to(tl.float32) * factor * _place_value(tables_ptr, place + j, cap, is_number & (j < width))
+        total += (
+            _digit(value, j).to(tl.float32)
+            * factor
+            * _place_value(tables_ptr, place + j, cap, is_number & (j < width))
+        )
     return total
 
 
@@ -203,7 +207,9 @@ def _sequence_kernel(
         one_dot = lanes < 0
         dot_at = t
         if decimal != 0:
-            joining = (code == _POINT) & (before < _POINT) & (_codes(layout_ptr, base, t + 1, length) < _POINT)
+            joining = (
+                (code == _POINT) & (before < _POINT) & (_codes(layout_ptr, base, t + 1, length) < _POINT)
+            )
             stretch = is_number | joining
             outside = tl.where(stretch, length, t)
             stretch_stop = tl.minimum(tl.associative_scan(outside, 0, _minimum), stretch_carry)
@@ -242,8 +248,12 @@ def _sequence_kernel(
         y = _digit_sum(value, place, width, ones, tables_ptr, cap, is_number)
         arg_rel = tl.load(stats + 3, mask=is_number, other=0.0).to(tl.int32)
         arg_mag = tl.load(stats + 5, mask=is_number, other=0.0).to(tl.int32)
-        x_rel = _digit_sum(arg_rel, place, width, tl.load(stats + 4, mask=is_number, other=0.0), tables_ptr, cap, is_number)
-        x_mag = _digit_sum(arg_mag, place, width, tl.load(stats + 6, mask=is_number, other=0.0), tables_ptr, cap, is_number)
+        x_rel = _digit_sum(
+            arg_rel, place, width, tl.load(stats + 4, mask=is_number, other=0.0), tables_ptr, cap, is_number
+        )
+        x_mag = _digit_sum(
+            arg_mag, place, width, tl.load(stats + 6, mask=is_number, other=0.0), tables_ptr, cap, is_number
+        )
         sums = tl.associative_scan((y, x_rel, x_mag, run_last.to(tl.int32)), 0, _segment_sums)
         open_right = sums[3] == 0
         y = tl.where(open_right, sums[0] + carry_y, sums[0])
@@ -258,7 +268,9 @@ def _sequence_kernel(
         target_sign = tl.where((signed != 0) & can_sign & (before == _MINUS), -1.0, 1.0)
         sign_rows = _rows(unpack_ptr, unpack_stride, has_unpack, seq, t - 1, length)
         reads_sign = (signed != 0) & run_start & can_sign
-        minus_logit = tl.load(columns_ptr + sign_rows * columns_stride + minus_column, mask=reads_sign, other=0.0)
+        minus_logit = tl.load(
+            columns_ptr + sign_rows * columns_stride + minus_column, mask=reads_sign, other=0.0
+        )
         row_max = tl.load(row_max_ptr + sign_rows, mask=reads_sign, other=0.0)
         predicted_sign = tl.where(reads_sign & (minus_logit >= row_max), -1.0, 1.0)
         rel, d_rel, mag, d_mag = _run_terms(x_rel, x_mag, y, predicted_sign, target_sign)
@@ -358,15 +370,12 @@ def _check_device(tensor: torch.Tensor) -> None:
         )
 
 
-def _lanes(noise_half: int) -> int:
-    return triton.next_power_of_2(noise_half)
-
-
-def _common(params: NumberParams, columns, noise, unpack_index) -> dict:
+def _common(params: NumberParams, columns, noise, unpack) -> dict:
+    none = torch.empty(1, dtype=torch.long, device=columns.device)  # an int64 pointer, never read
     return {
-        "has_unpack": int(unpack_index is not None),
-        "unpack": unpack_index if unpack_index is not None else torch.empty(1, dtype=torch.long, device=columns.device),
-        "unpack_stride": unpack_index.stride(0) if unpack_index is not None else 0,
+        "has_unpack": int(unpack is not None),
+        "unpack": none if unpack is None else unpack,
+        "unpack_stride": unpack.stride(0) if unpack is not None else 0,
         "has_noise": int(noise is not None),
         "noise": noise if noise is not None else columns,
         "noise_stride": noise.stride(0) if noise is not None else 0,
@@ -374,7 +383,9 @@ def _common(params: NumberParams, columns, noise, unpack_index) -> dict:
     }
 
 
-def forward(params: NumberParams, labels, columns, row_max, noise, unpack_index, column_map, tables, noise_half):
+def forward(
+    params: NumberParams, labels, columns, row_max, noise, unpack_index, column_map, tables, noise_half
+):
     """(ntil [S], (emd, rel, mag) [S, 3], what the backward needs); two launches. `column_map` [N] int32:
     each row's label's table column, -1 for none; `noise_half`: 10**max_width (a sample's columns)."""
     _check_device(columns)
@@ -395,7 +406,7 @@ def forward(params: NumberParams, labels, columns, row_max, noise, unpack_index,
             _position_kernel[(triton.cdiv(num_rows, ROWS),)](
                 column_map, columns, columns.stride(0), args["noise"], args["noise_stride"], args["has_noise"],
                 noise_half, params.gumbel_tau, stats, num_rows,
-                ROWS=ROWS, LANES=_lanes(noise_half), num_warps=ROW_WARPS,
+                ROWS=ROWS, LANES=triton.next_power_of_2(noise_half), num_warps=ROW_WARPS,
             )  # fmt: skip
         if num_sequences:
             _sequence_kernel[(num_sequences,)](
@@ -409,7 +420,9 @@ def forward(params: NumberParams, labels, columns, row_max, noise, unpack_index,
     return ntil, parts, (layout, coef, counts)
 
 
-def backward(params: NumberParams, grad_ntil, grad_parts, columns, noise, unpack_index, tables, noise_half, saved):
+def backward(
+    params: NumberParams, grad_ntil, grad_parts, columns, noise, unpack_index, tables, noise_half, saved
+):
     """The gradient of `columns` `[N, K]` from those of ntil `[S]` and the parts `[S, 3]` (either may be
     None): a zero fill and one launch (only the label width's columns of number rows are written)."""
     layout, coef, counts = saved
@@ -429,6 +442,6 @@ def backward(params: NumberParams, grad_ntil, grad_parts, columns, noise, unpack
                 tables, tables.stride(0), params.max_number_digits, args["log2_base"], params.gumbel_tau,
                 params.digit_alpha, params.abs_alpha, params.mag_alpha, int(params.uses_gumbel),
                 grad_columns, length, num_positions,
-                ROWS=ROWS, LANES=_lanes(noise_half), num_warps=ROW_WARPS,
+                ROWS=ROWS, LANES=triton.next_power_of_2(noise_half), num_warps=ROW_WARPS,
             )  # fmt: skip
     return grad_columns

@@ -107,7 +107,9 @@ def check_grouped_number_kernels_on_packed_rows():
     from ntil_ds.loss.grouped import GroupedNTILLoss
 
     _small_number_blocks()
-    loss_fn = GroupedNTILLoss(TABLE, kernel="torch", number_stage="triton", gumbel_noise_scale=0.0, **SIGNED_DECIMAL)
+    loss_fn = GroupedNTILLoss(
+        TABLE, kernel="torch", number_stage="triton", gumbel_noise_scale=0.0, **SIGNED_DECIMAL
+    )
     logits, labels = grouped_batch(3, 12, seed=5, dtype=torch.float32)
     packed_logits = torch.zeros(2, 24, VOCAB)
     packed_labels = torch.full((2, 24), -100)

@@ -126,7 +126,12 @@ RANDOM_CASES = {
     "paper": {"gumbel_noise_scale": 0.0},
     "noise": {"gumbel_noise_scale": 1.0},
     "signed+decimal": {"gumbel_noise_scale": 0.5, **SIGNED_DECIMAL},
-    "decimal": {"gumbel_noise_scale": 0.0, "decimal_numbers": True, "decimal_point_id": POINT, "digit_exp": 1.5},
+    "decimal": {
+        "gumbel_noise_scale": 0.0,
+        "decimal_numbers": True,
+        "decimal_point_id": POINT,
+        "digit_exp": 1.5,
+    },
     "signed": {"gumbel_noise_scale": 1.0, "signed_numbers": True, "minus_sign_id": MINUS},
     "emd-only": {"abs_alpha": 0.0, "mag_alpha": 0.0, **SIGNED_DECIMAL},
     "cap4": {"gumbel_noise_scale": 0.0, "max_number_digits": 4, **SIGNED_DECIMAL},
