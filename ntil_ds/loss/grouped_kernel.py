@@ -1,23 +1,15 @@
-"""Stage 2 of the grouped-digit loss (docs/design/ntil_spec.md "Grouped digits") as three Triton kernels.
+"""Stage 2 of the grouped-digit loss (docs/design/ntil_spec.md "Grouped digits") as three Triton kernels,
+from stage 1's `[N, K]` columns (the table's, width by width: up to 1,110, then the minus sign) to the
+per-sequence ntil `[S]` and (emd, rel, mag) of `grouped_terms.grouped_number_terms` (~850 torch ops):
 
-`grouped_terms.grouped_number_terms` is ~850 small torch ops per forward + backward, a launch each on a GPU.
-Here the same computation takes stage 1's `[N, K]` columns (the table's, width 1's values first, then width
-2's and 3's: up to 1,110, then the minus sign) to the same per-sequence ntil `[S]` and (emd, rel, mag):
-
-1. `_position_kernel`, one program per `ROWS` rows of stage 1 (no layout needed): the softmax over the
-   label's width's columns (`LANES` = next power of 2 of 10**max_width lanes), each covered digit's EMD
-   term `E_j = sum_v p(v) |digit_j(v) - digit_j(label)|` and the straight-through samples' argmax and
-   float32 factor `(1 - s_max) + s_max`; 8 floats a row.
-2. `_sequence_kernel`, one program per sequence: the digit kernel's passes (`number_kernel`) with each
-   number token playing a digit's part, on those scalars: codes (the column 0..1,109) and the running sum
-   of widths W, the joining dots, then right to left the runs, each token's place `W(ref) - W(t)` (ref:
-   the run's last token or its dot), the place-weighted EMD, and X, Y as segmented scans; REL, MAG and
-   their derivatives by X at each run's first token.
-3. `_backward_kernel`, one program per `ROWS` positions: dEMD and dX through the softmaxes.
-
-Memory: O(N * K) (the gradient) plus 8 floats and 6 ints a position; nothing depends on the vocabulary.
-With the column map (3 small torch ops, no gradient) and the gradient's zero fill, a forward + backward
-is 6 launches. Written for triton >= 3.2; `TRITON_INTERPRET=1` runs it on CPU tensors.
+1. `_position_kernel` (`ROWS` rows a program): softmax over the label width's columns (`LANES` lanes),
+   each covered digit's EMD term `E_j = sum_v p(v) |digit_j(v) - digit_j(label)|`, and the straight-through
+   samples' argmax and float32 factor `(1 - s_max) + s_max`: 8 floats a row.
+2. `_sequence_kernel` (a program a sequence): `number_kernel`'s passes with each number token playing a
+   digit's part, on those scalars; a token's place is `W(ref) - W(t)` with W the running sum of widths and
+   ref the run's last token or its dot.
+3. `_backward_kernel` (`ROWS` positions a program): dEMD and dX through the softmaxes.
+Memory O(N * K); nothing depends on the vocabulary. `TRITON_INTERPRET=1` runs it on CPU tensors.
 """
 
 from __future__ import annotations
@@ -40,8 +32,7 @@ from ntil_ds.loss.number_kernel import (
 from ntil_ds.loss.numbers import NumberParams
 from ntil_ds.loss.vocab_kernel import on_device
 
-# Rows per program of the position kernels (the [ROWS, LANES] tiles), warps; the sequence kernel's step.
-ROWS, ROW_WARPS = 2, 8
+ROWS, ROW_WARPS = 2, 8  # the position kernels' [ROWS, LANES] tiles; then the sequence kernel's step
 SEQUENCE_BLOCK, SEQUENCE_WARPS = 256, 8
 STATS = 8  # per row: E_0, E_1, E_2, argmax (REL sample), its factor, argmax (MAG sample), its factor, 0
 
@@ -97,6 +88,15 @@ def _tile(columns_ptr, columns_stride, rows, column, LANES: tl.constexpr):
     return lanes, tile, tl.where(valid, 0.0, float("-inf")), pointers, width, value
 
 
+@triton.jit
+def _sample(logits, noise, tau, out, inside):
+    """A straight-through sample's argmax and its float32 factor (1 - s_max) + s_max."""
+    soft = _softmax((logits + noise) / tau)
+    top = tl.max(soft, axis=1)
+    tl.store(out, tl.argmax(soft, axis=1).to(tl.float32), mask=inside)
+    tl.store(out + 1, (1.0 - top) + top, mask=inside)
+
+
 @triton.jit(do_not_specialize=["columns_stride", "noise_stride", "has_noise", "noise_half", "num_rows"])
 def _position_kernel(
     column_ptr, columns_ptr, columns_stride, noise_ptr, noise_stride, has_noise, noise_half, tau,
@@ -105,28 +105,19 @@ def _position_kernel(
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     inside = rows < num_rows
     column = tl.load(column_ptr + rows, mask=inside, other=-1)
-    lanes, tile, base, pointers, _width, value = _tile(columns_ptr, columns_stride, rows, column, LANES)
+    lanes, tile, base, pointers, _, value = _tile(columns_ptr, columns_stride, rows, column, LANES)
     logits = base + tl.load(columns_ptr + pointers, mask=tile, other=0.0)
     p = _softmax(logits)
     out = stats_ptr + rows * STATS
     for j in tl.static_range(3):
         distance = tl.abs(_digit(lanes, j)[None, :] - _digit(value, j)[:, None]).to(tl.float32)
         tl.store(out + j, tl.sum(p * distance, axis=1), mask=inside)
-    noise = tl.load(
-        noise_ptr + rows[:, None] * noise_stride + lanes[None, :], mask=tile & (has_noise != 0), other=0.0
-    )
-    for sample in tl.static_range(2):
-        if sample == 1:  # noqa: SIM102 (sample is a constexpr; has_noise a runtime value)
-            if has_noise != 0:  # the MAG sample (without noise: the REL sample again)
-                noise = tl.load(
-                    noise_ptr + rows[:, None] * noise_stride + noise_half + lanes[None, :],
-                    mask=tile,
-                    other=0.0,
-                )
-        soft = _softmax((logits + noise) / tau)
-        top = tl.max(soft, axis=1)
-        tl.store(out + 3 + 2 * sample, tl.argmax(soft, axis=1).to(tl.float32), mask=inside)
-        tl.store(out + 4 + 2 * sample, (1.0 - top) + top, mask=inside)
+    noise = noise_ptr + rows[:, None] * noise_stride + lanes[None, :]
+    _sample(logits, tl.load(noise, mask=tile & (has_noise != 0), other=0.0), tau, out + 3, inside)
+    if has_noise != 0:  # the MAG sample (without noise: the REL sample again)
+        _sample(logits, tl.load(noise + noise_half, mask=tile, other=0.0), tau, out + 5, inside)
+    else:
+        _sample(logits, tl.zeros_like(logits), tau, out + 5, inside)
 
 
 @triton.jit
@@ -379,17 +370,12 @@ def _check_device(tensor: torch.Tensor) -> None:
         )
 
 
-def _lanes(noise_half: int) -> int:
-    return triton.next_power_of_2(noise_half)
-
-
-def _common(params: NumberParams, columns, noise, unpack_index) -> dict:
+def _common(params: NumberParams, columns, noise, unpack) -> dict:
+    none = torch.empty(1, dtype=torch.long, device=columns.device)  # an int64 pointer, never read
     return {
-        "has_unpack": int(unpack_index is not None),
-        "unpack": unpack_index
-        if unpack_index is not None
-        else torch.empty(1, dtype=torch.long, device=columns.device),
-        "unpack_stride": unpack_index.stride(0) if unpack_index is not None else 0,
+        "has_unpack": int(unpack is not None),
+        "unpack": none if unpack is None else unpack,
+        "unpack_stride": unpack.stride(0) if unpack is not None else 0,
         "has_noise": int(noise is not None),
         "noise": noise if noise is not None else columns,
         "noise_stride": noise.stride(0) if noise is not None else 0,
@@ -420,7 +406,7 @@ def forward(
             _position_kernel[(triton.cdiv(num_rows, ROWS),)](
                 column_map, columns, columns.stride(0), args["noise"], args["noise_stride"], args["has_noise"],
                 noise_half, params.gumbel_tau, stats, num_rows,
-                ROWS=ROWS, LANES=_lanes(noise_half), num_warps=ROW_WARPS,
+                ROWS=ROWS, LANES=triton.next_power_of_2(noise_half), num_warps=ROW_WARPS,
             )  # fmt: skip
         if num_sequences:
             _sequence_kernel[(num_sequences,)](
@@ -456,6 +442,6 @@ def backward(
                 tables, tables.stride(0), params.max_number_digits, args["log2_base"], params.gumbel_tau,
                 params.digit_alpha, params.abs_alpha, params.mag_alpha, int(params.uses_gumbel),
                 grad_columns, length, num_positions,
-                ROWS=ROWS, LANES=_lanes(noise_half), num_warps=ROW_WARPS,
+                ROWS=ROWS, LANES=triton.next_power_of_2(noise_half), num_warps=ROW_WARPS,
             )  # fmt: skip
     return grad_columns
