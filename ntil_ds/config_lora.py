@@ -3,15 +3,12 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 from ntil_ds.typed_config import ConfigError
 
-if TYPE_CHECKING:
-    from ntil_ds.config import Config
 
-
-def validate_lora(cfg: Config) -> None:
+def validate_lora(cfg: Any) -> None:  # a config.Config (not imported: config builds on this module)
     lora = cfg.lora
     if not lora.enabled:
         if lora.quantize != "none":

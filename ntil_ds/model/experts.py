@@ -61,10 +61,10 @@ def refuse_tensor_parallel_experts(hf_config: Any, ds_config: dict[str, Any] | N
     0.19.8 and transformers 5.24 (Qwen3-VL-MoE, 2 ranks): ``deepspeed.initialize`` rejects the model's
     own tensor-parallel plan, whose fused experts are split with styles it does not implement
     (``moe_tp_experts``, ``packed_colwise``), after the whole model has loaded."""
-    from ntil_ds.ds_config import tensor_parallel_size
     from ntil_ds.model.parts import num_experts
 
-    size = tensor_parallel_size(ds_config or {})
+    # (ds_config.tensor_parallel_size checks the value when the run starts; model/ stays below it)
+    size = ((ds_config or {}).get("tensor_parallel") or {}).get("autotp_size", 1)
     if size > 1 and num_experts(hf_config):
         raise ConfigError(
             f"tensor_parallel.autotp_size={size} with a mixture-of-experts model ({num_experts(hf_config)} "

@@ -40,6 +40,8 @@ END_OF_TURN = {
     "qwen3_5": "<|im_end|>",
     "mllama": "<|eot_id|>",
     "glm4v": "<|endoftext|>",
+    "qwen3_5_moe": "<|im_end|>",
+    "glm4v_moe": "<|endoftext|>",
 }
 
 

@@ -65,6 +65,10 @@ PUBLISHED_B = {
     "Qwen/Qwen3.5-35B-A3B": 35.107,
     "Qwen/Qwen3.5-27B": 27.357,
     "zai-org/GLM-4.5V": 107.711,
+    # the Hub pages' 10.7B / 24.0B / 10.3B (safetensors totals, rounded)
+    "meta-llama/Llama-3.2-11B-Vision-Instruct": 10.670,
+    "mistralai/Mistral-Small-3.1-24B-Instruct-2503": 24.011,
+    "zai-org/GLM-4.1V-9B-Thinking": 10.293,
 }
 
 
