@@ -26,8 +26,8 @@ class GroupedNTILLoss(NTILLoss):
     """`NTILLoss` reading numbers through a number token table (`NumberTokenTable` or a dict width -> the
     10**width ids of the values of that width, zero-padded spellings); every other argument is NTILLoss's.
 
-    `number_stage`: the grouped number stage is written in torch only (no Triton number kernels yet), so
-    "auto" runs it eagerly on every device, "compile" through torch.compile, and "triton" is refused. The
+    `number_stage`: NTILLoss's choice; "triton" (and "auto" on CUDA where Triton works) runs the grouped
+    Triton number kernels (`grouped_kernel`), "eager"/"compile" the torch stage (`grouped_terms`). The
     vocabulary stage (`kernel`) is NTILLoss's, except that the Triton vocabulary kernels take at most
     `KERNEL_MAX_COLUMNS` gathered columns: a table with 3-digit tokens (1,110 columns) makes kernel="auto" run
     the torch tiles on every device (`kernel_note` says so) and kernel="triton" an error; with widths 1-2
