@@ -49,14 +49,20 @@ def chat_template(name: str) -> str:
 
 
 def train_tokenizer(special_tokens: tuple[str, ...]) -> Tokenizer:
-    tokenizer = Tokenizer(models.BPE())
     # Digits first, one per token (as Qwen does), then GPT-2 byte-level splitting of the rest.
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+    pre_tokenizer = pre_tokenizers.Sequence(
         [
             pre_tokenizers.Digits(individual_digits=True),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
         ]
     )
+    return _byte_level_bpe(pre_tokenizer, special_tokens)
+
+
+def _byte_level_bpe(pre_tokenizer, special_tokens: tuple[str, ...]) -> Tokenizer:
+    """A byte-level BPE trained on the tiny corpus after `pre_tokenizer` (what both tiny kinds share)."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizer
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=TINY_VOCAB_SIZE,
@@ -120,22 +126,13 @@ def train_grouped_tokenizer(special_tokens: tuple[str, ...]) -> Tokenizer:
 
     from tokenizers import Regex
 
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+    pre_tokenizer = pre_tokenizers.Sequence(
         [
             pre_tokenizers.Split(Regex(LLAMA3_SPLIT_REGEX), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
     )
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=TINY_VOCAB_SIZE,
-        special_tokens=list(special_tokens),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    lines = [line for line in _CORPUS.strip().splitlines() for _ in range(3)]
-    tokenizer.train_from_iterator(lines, trainer=trainer)
+    tokenizer = _byte_level_bpe(pre_tokenizer, special_tokens)
     state = json.loads(tokenizer.to_str())
     vocab, merges = state["model"]["vocab"], state["model"]["merges"]
     known = {tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in merges}
