@@ -283,7 +283,8 @@ class Trainer:
         sums["input_tokens"] = torch.tensor(float(sum(mb.num_input_tokens for mb in micro_batches)))
         totals = all_reduce_sums(sums, self.device)
         if not self.engine.refuses_non_finite_steps and not self.engine.gradients_are_finite():
-            raise_non_finite_gradient(step + 1, self.cfg, self.dist, micro_batches)  # it would apply them
+            # before the step: it would apply them
+            raise_non_finite_gradient(step + 1, self.cfg, self.dist, micro_batches, self.train_data)
         self.engine.step()  # the boundary: clip, optimizer step, schedule; skipped on non-finite gradients
 
         # THE host sync of the step: one read of everything the log and the checks need, once the device
@@ -291,12 +292,11 @@ class Trainer:
         host = read_to_host({**totals, "grad_norm": self.engine.grad_norm()})
         if host["non_finite_losses"]:  # the same sum on every rank: all raise together
             bad = [float(s) for s in loss_sums]
-            raise_non_finite_loss(
-                step + 1, self.cfg, self.dist, micro_batches, bad, applied=self.engine.step_applied()
-            )
+            raise_non_finite_loss(step + 1, self.cfg, self.dist, micro_batches, bad, self.train_data,
+                                  applied=self.engine.step_applied())  # fmt: skip
         loss = host["loss_sum"] / tp / max(labelled, 1.0)
         if not self.engine.step_applied():  # a finite loss, yet DeepSpeed found the gradients non-finite
-            raise_non_finite_gradient(step + 1, self.cfg, self.dist, micro_batches, loss)
+            raise_non_finite_gradient(step + 1, self.cfg, self.dist, micro_batches, self.train_data, loss)
 
         elapsed = time.perf_counter() - started
         means_over = len(micro_batches) * self.dist.world_size  # TP copies are equal: a mean over DP ranks

@@ -173,6 +173,10 @@ class CachedConversationDataset(torch.utils.data.Dataset):
         """Every sample's token count (what packing is planned from), without reading a sample."""
         return np.diff(self.cache["offsets"])
 
+    def sample_name(self, index: int) -> str:
+        """Where sample `index` is: "file:line" (JSONL) or "file:row n" (a table), from the cache."""
+        return self.source.name(int(self.cache["lines"][index]), int(self.cache["line_offsets"][index]))
+
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         index = range(len(self))[index]  # negative indices as a list's; out of range: IndexError
         start, end = (int(x) for x in self.cache["offsets"][index : index + 2])
@@ -183,7 +187,7 @@ class CachedConversationDataset(torch.utils.data.Dataset):
             return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "targets": targets}
         text = self._string("text", index)
         images = [image_from_text(p) for p in self._string("images", index).split("\0") if p]
-        source = self.source.name(int(self.cache["lines"][index]), int(self.cache["line_offsets"][index]))
+        source = self.sample_name(index)
         return {**processor_outputs(self.processor, images, source, text, input_ids), "targets": targets}
 
     def _string(self, name: str, index: int) -> str:

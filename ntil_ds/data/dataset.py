@@ -89,6 +89,10 @@ class ConversationDataset(torch.utils.data.Dataset):
         """Tokens of sample `index` (image placeholders expanded), known without processing it."""
         return len(self._encoded[index].input_ids)
 
+    def sample_name(self, index: int) -> str:
+        """Where sample `index` is: "file:line" (JSONL) or "file:row n" (a table), for messages."""
+        return self.conversations[index].source
+
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         encoded = self._encoded[index]
         targets = torch.from_numpy(aligned_targets(encoded.labels))

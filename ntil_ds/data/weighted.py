@@ -94,6 +94,11 @@ class WeightedSources:
         source, local = self._locate(index)
         return self.datasets[source][local]
 
+    def sample_name(self, index: int) -> str:
+        """Where sample `index` is, in its own source ("file:line", "file:row n")."""
+        source, local = self._locate(index)
+        return self.datasets[source].sample_name(local)
+
     def num_tokens(self, index: int) -> int:
         source, local = self._locate(index)
         return self.datasets[source].num_tokens(local)

@@ -108,3 +108,26 @@ def test_recipe_mixture_keys(tmp_path):
         load_config(None, [*base, "data.train_file=a.jsonl", "data.mixture=[{file: b.jsonl}]"])
     with pytest.raises(ConfigError, match=r"data.mixture\[1\] needs a file and a weight > 0"):
         load_config(None, [*base, "data.mixture=[{file: a.jsonl}, {file: b.jsonl, weight: 0}]"])
+
+
+def test_non_finite_step_names_each_samples_own_source_file_and_row(sources, processor):
+    """With data.mixture, data.train_file is empty: the message names each sample's file and line/row."""
+    from ntil_ds.data.batch import MicroBatch
+    from ntil_ds.dist import DistInfo
+    from ntil_ds.nonfinite import NonFiniteLossError, raise_non_finite_gradient, raise_non_finite_loss
+
+    mixed = _mixed(sources, processor)
+    cfg = load_config(None, ["model.name_or_path=m", "data.mixture=[{file: a.jsonl, weight: 1}]"])
+    tensors = {"targets": torch.tensor([[5, -100]]), "attention_mask": torch.ones(1, 2, dtype=torch.long)}
+    batches = [MicroBatch([3, 12], tensors), MicroBatch([39], tensors)]
+    a, b = (file for file, _ in sources)
+    with pytest.raises(NonFiniteLossError) as loss_error:
+        raise_non_finite_loss(2, cfg, DistInfo(), batches, [1.0, float("nan")], mixed, applied=False)
+    assert f"micro-batch 1 of the step, samples [39] ({b}:row 29): loss_sum=nan" in str(loss_error.value)
+    assert "micro-batch 0" not in str(loss_error.value)
+    with pytest.raises(NonFiniteLossError) as gradient_error:
+        raise_non_finite_gradient(2, cfg, DistInfo(), batches, mixed)
+    # a.jsonl's sample 3 is its line 4; b.parquet's rows count from 0 (sample 12 is mixed index 10 + 2)
+    assert f"samples of the step: [3, 12, 39] ({a}:4, {b}:row 2, {b}:row 29)." in str(gradient_error.value)
+    plain = load_dataset(a, processor, 64, "skip", cache=False)  # the uncached dataset names them too
+    assert [plain.sample_name(i) for i in (0, 9)] == [f"{a}:1", f"{a}:10"]
