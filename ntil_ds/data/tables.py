@@ -3,7 +3,9 @@
 A row holds the same layouts as a JSONL line (``messages``, or ShareGPT ``conversations`` with ``image``
 / ``images``; ntil_ds/data/records.py), its images as paths or as the Hugging Face image struct
 ``{"bytes": ..., "path": ...}`` (one, or a list of them in an ``images`` column). A row is named
-``<file>:row <n>``, n counted from 0 in that file (``pyarrow.parquet.read_table(file)[n]``).
+``<file>:row <n>``, n counted from 0 in that file (``pyarrow.parquet.read_table(file)[n]``). A
+``messages`` (or ``conversations``) column may also be a string column of JSON text (what pandas or Spark
+exports of nested data often hold): it is decoded here, and a row whose text is not JSON is a bad sample.
 
 Images stay lazy: the bytes of an embedded image are checked (opened, verified) when the rows are read,
 and then let go; the sample keeps a `RowImage` (file, row, where in the row), and the bytes are read
@@ -33,6 +35,7 @@ from ntil_ds.data.records import BadSample, Conversation, DataError, parse_row
 
 _BATCH_ROWS = 256  # rows converted to Python at a time while checking (their image bytes then let go)
 _CHUNK = 1 << 20
+_JSON_COLUMNS = ("messages", "conversations")  # may be stored as JSON text (a string column)
 
 
 @dataclass(frozen=True)
@@ -116,12 +119,34 @@ class TableSource:
         return item
 
     def _parsed(self, values: dict, file: Path, row: int) -> Conversation | BadSample:
+        source = f"{file}:row {row}"
         try:
             return parse_row(
-                values, f"{file}:row {row}", file.parent, functools.partial(RowImage, str(file), row)
+                _decoded_columns(values, source),
+                source,
+                file.parent,
+                functools.partial(RowImage, str(file), row),
             )
         except BadSample as bad:
             return bad
+
+
+def _decoded_columns(values: dict, source: str) -> dict:
+    """A ``messages`` (or ``conversations``) column stored as a JSON string, as many Parquet exports write
+    it (pandas, Spark), decoded into the list it holds; a string that is not JSON is a bad sample."""
+    for column in _JSON_COLUMNS:
+        text = values.get(column)
+        if isinstance(text, str):
+            try:
+                values = {**values, column: json.loads(text)}
+            except json.JSONDecodeError as error:
+                raise BadSample(
+                    source,
+                    "malformed_json",
+                    f"column '{column}' is a string that is not valid JSON ({error}); store the list of "
+                    f"messages itself, or its JSON text (json.dumps of the list)",
+                ) from None
+    return values
 
 
 def save_to_disk_files(folder: Path) -> list[Path]:

@@ -183,6 +183,25 @@ def test_bad_rows_are_counted_with_file_and_row(tmp_path, pictures, processor):
         ConversationDataset(path, processor, max_seq_len=256)
 
 
+def test_messages_stored_as_json_text_are_decoded_and_bad_text_is_named(tmp_path, pictures, processor):
+    """A string `messages` column (pandas / Spark exports) holding the list's JSON: the same samples."""
+    want = ConversationDataset(_jsonl(pictures / "train.jsonl", SPECS), processor, max_seq_len=256)
+    rows = [{**r, "messages": json.dumps(r["messages"])} for r in _table_rows(pictures, SPECS, True)]
+    path = _parquet(pictures / "text.parquet", rows)
+    assert pq.read_schema(path).field("messages").type == pa.string()
+    _assert_same(ConversationDataset(path, processor, max_seq_len=256), want)
+    _assert_same(CachedConversationDataset(path, processor, max_seq_len=256), want)
+    rows[2]["messages"] = rows[2]["messages"][:-5]  # cut short: not JSON
+    bad = _parquet(pictures / "cut.parquet", rows)
+    with pytest.raises(
+        BadSample, match=rf"{bad}:row 2: column 'messages' is a string that is not valid JSON"
+    ):
+        ConversationDataset(bad, processor, max_seq_len=256)
+    skipped = CachedConversationDataset(bad, processor, max_seq_len=256, on_bad_sample="skip")
+    assert skipped.report.kept == 8 and dict(skipped.report.skipped) == {"malformed_json": 1}
+    assert skipped.report.examples[0].startswith(f"{bad}:row 2: column 'messages'")
+
+
 def test_unknown_paths_say_what_is_accepted(tmp_path, processor):
     accepted = "a JSONL file .*a .parquet file, a folder of .parquet shards, or a folder written by datasets"
     with pytest.raises(DataError, match=f"not found; give {accepted}"):
