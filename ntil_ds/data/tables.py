@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import itertools
 import json
 import os
 from collections.abc import Iterator
@@ -99,16 +98,19 @@ class TableSource:
         self, start: int = 0, stop: int | None = None
     ) -> Iterator[tuple[int, int, Conversation | BadSample]]:
         """(row, file index, conversation or its problem) of samples [start, stop), counted over every
-        row, file after file (what a parallel cache build gives each rank)."""
-        return itertools.islice(self._all_rows(), start, stop)
-
-    def _all_rows(self) -> Iterator[tuple[int, int, Conversation | BadSample]]:
+        row, file after file (what a parallel cache build gives each rank). Only the range's own rows
+        are decoded: whole files and Parquet row groups before `start` are skipped by their metadata's
+        row counts, and a save_to_disk Arrow file is sliced (it is memory-mapped)."""
+        first = 0  # the overall number of the current file's row 0
         for file_index, file in enumerate(self.files):
-            row = 0
-            for batch in _batches(file, self.kind):
-                for values in batch.to_pylist():
+            if stop is not None and first >= stop:
+                return
+            count = _num_rows(file, self.kind)
+            begin, end = max(start - first, 0), count if stop is None else min(stop - first, count)
+            if begin < end:
+                for row, values in _rows_of(file, self.kind, begin, end):
                     yield row, file_index, self._parsed(values, file, row)
-                    row += 1
+            first += count
 
     def conversation_at(self, row: int, file_index: int) -> Conversation:
         file = self.files[file_index]
@@ -232,7 +234,26 @@ def _num_rows(file: Path, kind: str) -> int:
     return _arrow_table(file, os.getpid()).num_rows
 
 
-def _batches(file: Path, kind: str):
+def _rows_of(file: Path, kind: str, begin: int, end: int) -> Iterator[tuple[int, dict]]:
+    """(row, values) of rows [begin, end) of one file, converted to Python `_BATCH_ROWS` at a time. Of a
+    Parquet file only the row groups that hold them are read."""
     if kind == "parquet":
-        return _parquet_file(file, os.getpid())[0].iter_batches(batch_size=_BATCH_ROWS)
-    return _arrow_table(file, os.getpid()).to_batches(max_chunksize=_BATCH_ROWS)
+        parquet, starts = _parquet_file(file, os.getpid())
+        metadata = parquet.metadata
+        groups = [
+            g
+            for g, first in enumerate(starts)
+            if first < end and first + metadata.row_group(g).num_rows > begin
+        ]
+        row = starts[groups[0]]
+        batches = parquet.iter_batches(batch_size=_BATCH_ROWS, row_groups=groups)
+    else:  # memory-mapped: the slice is free
+        row = begin
+        batches = _arrow_table(file, os.getpid()).slice(begin, end - begin).to_batches(_BATCH_ROWS)
+    for batch in batches:
+        low, high = max(begin - row, 0), min(end - row, batch.num_rows)
+        for offset, values in enumerate(batch.slice(low, max(high - low, 0)).to_pylist()):
+            yield row + low + offset, values
+        row += batch.num_rows
+        if row >= end:
+            return

@@ -214,3 +214,65 @@ def test_unknown_paths_say_what_is_accepted(tmp_path, processor):
     (tmp_path / "fake.parquet").write_text("{}")
     with pytest.raises(DataError, match="cannot be read as Parquet"):
         ConversationDataset(tmp_path / "fake.parquet", processor)
+
+
+def _text_rows(tag, n):
+    return [
+        {"messages": [{"role": "user", "content": f"{tag} {i}?"}, {"role": "assistant", "content": str(i)}]}
+        for i in range(n)
+    ]
+
+
+def _corrupt_row_group(path, group, out):
+    """A copy of `path` whose row group `group` has every column chunk's bytes overwritten."""
+    data = bytearray(path.read_bytes())
+    metadata = pq.ParquetFile(path).metadata.row_group(group)
+    for c in range(metadata.num_columns):
+        chunk = metadata.column(c)
+        begin = min(o for o in (chunk.dictionary_page_offset, chunk.data_page_offset) if o is not None)
+        data[begin : begin + chunk.total_compressed_size] = b"\xff" * chunk.total_compressed_size
+    out.write_bytes(bytes(data))
+    return out
+
+
+@pytest.mark.parametrize("batch_rows", [256, 3])
+def test_a_range_read_decodes_only_its_own_row_groups(tmp_path, monkeypatch, batch_rows):
+    from ntil_ds.data import tables
+    from ntil_ds.data.sources import open_source
+
+    monkeypatch.setattr(tables, "_BATCH_ROWS", batch_rows)  # batches smaller than a row group, too
+    shards = tmp_path / "shards"
+    for name, n in (("a", 18), ("b", 22)):  # row groups of 4 rows: a: 4,4,4,4,2; b: 4 x 5, 2
+        _parquet(shards / f"{name}.parquet", _text_rows(name, n), row_group_size=4)
+    whole = list(open_source(shards).rows())
+    assert len(whole) == 40 and whole[18][:2] == (0, 1) and whole[39][:2] == (21, 1)
+    for start, stop in ((0, 40), (5, 11), (16, 20), (18, 19), (37, None), (12, 12), (39, 45)):
+        assert list(open_source(shards).rows(start, stop)) == whole[start:stop], (start, stop)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    _corrupt_row_group(shards / "a.parquet", 0, broken / "a.parquet")  # every group before the range
+    a = pq.ParquetFile(shards / "a.parquet")
+    for group in range(1, a.metadata.num_row_groups):
+        _corrupt_row_group(broken / "a.parquet", group, broken / "a.parquet")
+    for group in range(0, 4):  # b's rows 0..15 (overall 18..33)
+        source = broken / "b.parquet" if group else shards / "b.parquet"
+        _corrupt_row_group(source, group, broken / "b.parquet")
+    with pytest.raises(OSError):  # the corruption is real: a read through those groups fails
+        list(open_source(broken).rows(0, 40))
+    with pytest.raises(OSError):
+        list(open_source(broken).rows(33, 40))  # overall row 33 is b's row 15, in group 3
+    got = list(open_source(broken).rows(34, None))  # b's rows 16..21: groups 4 and 5 only
+    assert [(r, f) for r, f, _ in got] == [(r, f) for r, f, _ in whole[34:]]
+    assert [c.messages for *_, c in got] == [c.messages for *_, c in whole[34:]]
+
+
+def test_a_range_of_a_save_to_disk_folder_is_the_full_reads_slice(tmp_path):
+    from ntil_ds.data.sources import open_source
+
+    folder = tmp_path / "saved"
+    datasets.Dataset.from_list(_text_rows("s", 23)).save_to_disk(str(folder), num_shards=3)
+    assert len(open_source(folder).files) == 3
+    whole = list(open_source(folder).rows())
+    assert len(whole) == 23 and whole[8][:2] == (0, 1)  # 8 rows in the first file
+    for start, stop in ((0, 23), (3, 9), (8, 16), (15, None), (22, 30), (5, 5)):
+        assert list(open_source(folder).rows(start, stop)) == whole[start:stop], (start, stop)
