@@ -1,11 +1,15 @@
-"""Score an exported Hugging Face model folder on a JSONL split: greedy answers, the task's metrics.
+"""Score an exported Hugging Face model folder on a split: greedy answers, the task's metrics.
 
     python launch/evaluate.py --model runs/demo/export --split data/clock/test.jsonl
+
+A split is any input the trainer reads (docs/data.md): a JSONL file, a .parquet file, a folder of
+.parquet shards or a `datasets` save_to_disk folder, read by the trainer's reader.
 
 Loads with plain `from_pretrained` (no DeepSpeed), generates the last assistant answer of every line
 from what comes before it (batched, greedy), scores it with `ntil_ds.scoring.score` and writes a JSON
 report (metrics + every prediction) next to the model, or to `--out`. The task comes from `--task` or
-the lines' "task" key (written by launch/make_data.py). The work is done by ntil_ds.evaluation.generate.
+the first line's (or row's) "task" key (written by launch/make_data.py). The work is done by
+ntil_ds.evaluation.generate.
 """
 
 from __future__ import annotations
@@ -32,7 +36,10 @@ def main(argv: list[str] | None = None) -> dict:
     )
     parser.add_argument("--model", required=True, type=Path, help="exported Hugging Face model folder")
     parser.add_argument(
-        "--split", required=True, type=Path, help="JSONL file to score (e.g. data/clock/test.jsonl)"
+        "--split",
+        required=True,
+        type=Path,
+        help="split to score: JSONL, .parquet, a folder of shards or a save_to_disk folder",
     )
     parser.add_argument(
         "--task", help="metrics to use: clock, boxes, chart, arithmetic (default: the lines' task)"

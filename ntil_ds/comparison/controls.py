@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import statistics
@@ -20,7 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ntil_ds.data import BadSample, Conversation, read_jsonl, split_last_answer
+from ntil_ds.data import BadSample, Conversation, split_last_answer
+from ntil_ds.data.sources import read_samples
 from ntil_ds.scoring import (
     MINUTES_ON_DIAL,
     clock_deviation,
@@ -37,7 +39,7 @@ SHUFFLED_FILE = "shuffled_test.jsonl"  # written under the comparison's folder
 
 def conversations(split: Path) -> list[Conversation]:
     """The split's usable lines (a bad line is left out, as the scoring's reader would refuse it)."""
-    return [c for _, c in read_jsonl(split) if not isinstance(c, BadSample)]
+    return [c for c in read_samples(split) if not isinstance(c, BadSample)]
 
 
 def answers(split: Path) -> list[str]:
@@ -109,6 +111,18 @@ def one_cycle(n: int, seed: int = SHUFFLE_SEED) -> list[int]:
     return permutation
 
 
+def _image_file(image, out: Path, count) -> str:
+    """An image's absolute path; an image inside a table row (a Parquet / Arrow split) written to a file
+    beside ``out`` first, since a JSONL line names files."""
+    if isinstance(image, Path):
+        return str(image.resolve())
+    folder = out.parent / f"{out.stem}_images"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{next(count):06d}.img"  # PIL reads the format from the bytes, not the name
+    path.write_bytes(image.read_bytes())
+    return str(path.resolve())
+
+
 def write_shuffled_split(test: Path, out: Path, n: int, seed: int = SHUFFLE_SEED) -> dict | None:
     """The first ``n`` test items, item i shown item permutation[i]'s images (absolute paths) with its
     own question and answer, written to ``out``; returns {"path", "n", "seed", "permutation"}, or None
@@ -119,14 +133,14 @@ def write_shuffled_split(test: Path, out: Path, n: int, seed: int = SHUFFLE_SEED
     if len({len(c.images) for c in items}) != 1:
         return None
     permutation = one_cycle(len(items), seed)
-    lines = []
+    lines, count = [], itertools.count()
     for item, source in zip(items, (items[p] for p in permutation), strict=True):
         images = iter(source.images)
         messages = [
             {
                 "role": m["role"],
                 "content": [
-                    {"type": "image", "image": str(Path(next(images)).resolve())}
+                    {"type": "image", "image": _image_file(next(images), out, count)}
                     if part["type"] == "image"
                     else part
                     for part in m["content"]

@@ -115,11 +115,14 @@ def plan_comparison(
     """Check the recipe once (a bad recipe or override fails here, not in every job) and fix the plan."""
     cfg = load_config(recipe, overrides)
     test = Path(test_split or Path(cfg.data.train_file).with_name("test.jsonl"))
-    if not test.is_file():
-        raise SystemExit(f"test split {test} does not exist; give --test FILE (a JSONL of the task)")
+    if not test.exists():
+        raise SystemExit(
+            f"test split {test} does not exist; give --test PATH (a JSONL, .parquet, shard folder or "
+            "save_to_disk folder of the task)"
+        )
     task = task or task_of(test)
     train = Path(cfg.data.train_file)
-    if train.is_file():  # a missing one fails in the first job, with the trainer's own message
+    if cfg.data.train_file and train.exists():  # a missing one fails in the first job, with its message
         refuse_overlap(test, [train])
     return ComparisonPlan(
         recipe=recipe,

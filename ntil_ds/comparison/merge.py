@@ -111,7 +111,7 @@ def _same_test_items(grids: list[Path], reports: list[dict]) -> str:
         recorded = report.get("test_split_sha256")
         if recorded is None:
             path = Path(report["test_split"])
-            if not path.is_file():
+            if not path.exists():
                 raise SystemExit(
                     f"cannot merge {grid}: its results.json records no test split hash and its test split "
                     f"{path} is gone, so what it was scored on cannot be compared"

@@ -1,5 +1,8 @@
 """Which test items a comparison was scored on, by content rather than by path.
 
+A split is any input the trainer reads (JSONL, .parquet, a folder of shards, a save_to_disk folder),
+read by the trainer's reader (ntil_ds/data/sources.py).
+
 - :func:`split_hash`: sha256 of the test file's bytes and of every image it names (in order), so two
   grids whose test files sit at one path but were drawn again (another size, another seed) differ,
   and one split copied elsewhere is still the same.
@@ -16,23 +19,28 @@ import hashlib
 import json
 from pathlib import Path
 
-from ntil_ds.data import BadSample, read_jsonl
+from ntil_ds.data import BadSample
 from ntil_ds.data.cache import update_with_file
+from ntil_ds.data.records import DataError
+from ntil_ds.data.sources import open_source, read_samples
 
 
 def split_hash(split: Path) -> str:
-    """sha256 over the split's bytes, then each image its lines name, in order of first mention."""
-    split = Path(split)
-    if not split.is_file():
-        raise SystemExit(f"test split {split} does not exist: its content cannot be compared")
+    """sha256 over the split's bytes (each of its files', in order), then each image file its lines name,
+    in order of first mention (an image inside a table row is in the table's bytes already)."""
+    try:
+        files = open_source(split).files
+    except DataError as error:
+        raise SystemExit(f"test split {split}: its content cannot be compared ({error})") from None
     digest = hashlib.sha256()
-    update_with_file(digest, split)
+    for file in files:
+        update_with_file(digest, file)
     seen: set[Path] = set()
-    for _, conversation in read_jsonl(split):
+    for conversation in read_samples(split):
         if isinstance(conversation, BadSample):
             continue
         for image in conversation.images:
-            if image not in seen:
+            if isinstance(image, Path) and image not in seen:
                 seen.add(image)
                 digest.update(b"\0image\0")
                 update_with_file(digest, image)
@@ -40,15 +48,20 @@ def split_hash(split: Path) -> str:
 
 
 def item_hashes(split: Path) -> dict[str, str]:
-    """{sha256 of one item's prompt + answer + image bytes: the item's "file:line"} of every usable line."""
+    """{sha256 of one item's prompt + answer + image bytes: the item's "file:line"} of every usable line
+    (an image's bytes as they are, from its file or from its table row: a Parquet copy of a JSONL split
+    has the same items)."""
     hashes = {}
-    for _, conversation in read_jsonl(split):
+    for conversation in read_samples(split):
         if isinstance(conversation, BadSample):
             continue
         digest = hashlib.sha256(json.dumps(conversation.messages, sort_keys=True).encode())
         for image in conversation.images:
             digest.update(b"\0image\0")
-            update_with_file(digest, image)
+            if isinstance(image, Path):
+                update_with_file(digest, image)
+            else:
+                digest.update(image.read_bytes())
         hashes.setdefault(digest.hexdigest(), conversation.source)
     return hashes
 

@@ -10,10 +10,14 @@ refused with what is accepted. Every source gives the same things: its rows as (
 conversation or `BadSample`), where (number, offset) addresses the row again later (a JSONL line's
 number and byte offset; a table row's number in its file and the file's index), the name of a row for
 messages, and a digest of its files' content for the data cache's key.
+
+Everything that reads data reads it here: the trainer's datasets, and evaluation (``launch/evaluate.py``,
+the comparison's splits and controls) through `read_samples` and `first_value`.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -54,6 +58,16 @@ class JsonlSource:
     def conversation_at(self, number: int, offset: int) -> Conversation:
         return read_conversation_at(self.path, offset, number)
 
+    def first_value(self, key: str):
+        """`key` of the first line's object (None: absent, or the line is not a JSON object)."""
+        with self.path.open(encoding="utf-8", errors="replace") as lines:
+            first = next((line for line in lines if line.strip()), "{}")
+        try:
+            row = json.loads(first)
+        except json.JSONDecodeError:
+            return None
+        return row.get(key) if isinstance(row, dict) else None
+
 
 DataSource = JsonlSource | TableSource
 
@@ -86,3 +100,14 @@ def open_source(path: str | Path) -> DataSource:
             f"{path}: a folder without .parquet files or a save_to_disk state.json; give {ACCEPTED}"
         )
     raise DataError(f"{path}: data file not found; give {ACCEPTED}")
+
+
+def read_samples(path: str | Path) -> Iterator[Conversation | BadSample]:
+    """Every row of any source, checked (a `Conversation`) or its problem (a `BadSample`), in order."""
+    for _, _, item in open_source(path).rows():
+        yield item
+
+
+def first_value(path: str | Path, key: str):
+    """The value of `key` (a column of a table) in a source's first row, None where it has none."""
+    return open_source(path).first_value(key)

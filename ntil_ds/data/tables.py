@@ -120,6 +120,13 @@ class TableSource:
             raise item
         return item
 
+    def first_value(self, key: str):
+        """Column `key` of the first row (None: no such column, or no rows)."""
+        file = next((f for f in self.files if _num_rows(f, self.kind)), None)
+        if file is None or key not in _schema_names(file, self.kind):
+            return None
+        return read_cell(file, 0, key)
+
     def _parsed(self, values: dict, file: Path, row: int) -> Conversation | BadSample:
         source = f"{file}:row {row}"
         try:

@@ -1,4 +1,6 @@
-"""Greedy answers to a split's questions, scored with the task's metrics (``ntil_ds.scoring``).
+"""Greedy answers to a split's questions, scored with the task's metrics (``ntil_ds.scoring``). A split
+is any input the trainer reads (JSONL, .parquet, a folder of shards, a save_to_disk folder), read by
+the same reader (ntil_ds/data/sources.py).
 
 Works on any Hugging Face model object with ``generate`` (an exported folder loaded with plain
 ``from_pretrained``: :func:`load_exported_model`). The last assistant answer of every line is generated
@@ -25,6 +27,7 @@ from ntil_ds.data import (
     tokenizer_of,
 )
 from ntil_ds.data.progress import progress
+from ntil_ds.data.sources import first_value
 from ntil_ds.scoring import score
 
 
@@ -92,10 +95,9 @@ def score_exported_model(
 
 
 def task_of(split: Path) -> str:
-    """The "task" key of the split's first line (written by launch/make_data.py)."""
-    with split.open(encoding="utf-8") as lines:
-        first = next((line for line in lines if line.strip()), "{}")
-    task = json.loads(first).get("task")  # optional key: absent in user data
+    """The "task" key of the split's first line or row (written by launch/make_data.py); any input the
+    trainer reads (ntil_ds/data/sources.py)."""
+    task = first_value(split, "task")  # optional key: absent in user data
     if not task:
         raise DataError(
             f"{split}: lines have no 'task' key; give --task (clock, boxes, chart, arithmetic, ...)"
