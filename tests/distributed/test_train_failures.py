@@ -65,7 +65,9 @@ def test_nan_loss_stops_before_the_optimizer_step_naming_step_rank_and_batch(tin
     log = result.stdout
     assert "non-finite loss at step 2" in log, log[-4000:]
     # Rank 1's micro-batch 1 of step 2 = stream positions 13 and 15 (2 ranks, micro-batch 2, no shuffle).
-    assert "rank 1 (dp rank 1), micro-batch 1 of the step, samples [13, 15]" in log, log[-4000:]
+    # each named by its file and line (sample i is line i + 1: no line of the file is skipped)
+    samples = f"samples [13, 15] ({data_file}:14, {data_file}:16)"
+    assert f"rank 1 (dp rank 1), micro-batch 1 of the step, {samples}" in log, log[-4000:]
     assert "loss_sum=nan" in log
     # Both ranks stopped with the same diagnosis (rank 0 saw a finite loss itself).
     assert log.count("non-finite loss at step 2") >= 2
