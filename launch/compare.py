@@ -49,7 +49,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated train.seed values")
     parser.add_argument("--out", help="output folder (default: outputs/compare/<recipe name>)")
     parser.add_argument("--nproc", type=int, default=2, help="training processes per job (CPU ranks)")
-    parser.add_argument("--test", help="test split JSONL (default: test.jsonl next to data.train_file)")
+    parser.add_argument(
+        "--test",
+        help="test split: JSONL, .parquet, shard folder or save_to_disk folder (default: test.jsonl next to "
+        "data.train_file)",
+    )
     parser.add_argument("--task", help="metrics to use (default: the test lines' task key)")
     parser.add_argument("--tiny-model", help="first write a tiny model folder: KIND[:SIZE], e.g. qwen2:small")
     parser.add_argument(

@@ -1,4 +1,5 @@
-"""Data: JSONL conversations in, masked and padded batches out; synthetic numeric tasks.
+"""Data: conversations in (JSONL, Parquet, shard folders, save_to_disk folders: `read_samples`), masked
+and padded batches out; synthetic numeric tasks.
 
 How the parts meet (the trainer does this)::
 
@@ -18,6 +19,7 @@ from ntil_ds.data.processor import is_multimodal, load_processor, tokenizer_of
 from ntil_ds.data.prompts import prompt_batch, split_last_answer
 from ntil_ds.data.records import BadSample, Conversation, DataError, read_jsonl
 from ntil_ds.data.sampler import ResumableDistributedSampler
+from ntil_ds.data.sources import read_samples
 
 __all__ = [
     "IGNORE_INDEX",
@@ -32,6 +34,7 @@ __all__ = [
     "load_processor",
     "prompt_batch",
     "read_jsonl",
+    "read_samples",
     "render",
     "split_last_answer",
     "tokenizer_of",
