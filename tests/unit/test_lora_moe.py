@@ -14,8 +14,14 @@ from ntil_ds.model.experts import resolve_experts_implementation
 from ntil_ds.model.parts import moe_part
 from ntil_ds.tiny import build_tiny_model_folder
 
-MOE_KINDS = ("qwen3_vl_moe",)
+MOE_KINDS = ("qwen3_vl_moe", "qwen3_5_moe", "glm4v_moe")
 LAYERS, ATTENTION = 2, ("q_proj", "k_proj", "v_proj", "o_proj")
+# Per family: (full-attention layers, MoE layers, shared-expert adapter tensors, routed-expert adapter
+# tensors without lora.experts). Qwen3.5-MoE: layer 0 is Gated DeltaNet (no q/k/v/o) and the default
+# targets gate/up/down_proj reach each layer's dense shared expert (3 x 2 layers, A and B). GLM-4.5V:
+# layer 0 dense (first_k_dense_replace=1) and peft remaps gate/up/down_proj onto the routed experts even
+# without lora.experts (docs/models.md, "LoRA targets on GLM-4.5V"; its recipe targets attention only).
+SHAPE = {"qwen3_vl_moe": (2, 2, 0, 0), "qwen3_5_moe": (1, 2, 12, 0), "glm4v_moe": (2, 1, 0, 4)}
 
 
 @pytest.fixture(scope="module")
@@ -72,12 +78,15 @@ def test_what_trains_attention_adapters_and_on_request_the_experts(folders, kind
         n for n in trainable if "lora_" in n and moe_part(n.replace(".base_layer", "")) == "experts"
     }
     # Dense-named MLP projections do not exist in a MoE layer: attention's 4 per layer, A and B each.
-    assert len(attention) == LAYERS * 4 * 2, sorted(trainable)
-    # With lora.experts: each layer's gate_up_proj and down_proj, one A and one B each.
-    assert len(expert_adapters) == (LAYERS * 2 * 2 if experts else 0), sorted(trainable)
+    attention_layers, moe_layers, shared, remapped = SHAPE[kind]
+    assert len(attention) == attention_layers * 4 * 2, sorted(trainable)
+    # With lora.experts: each MoE layer's gate_up_proj and down_proj, one A and one B each.
+    assert len(expert_adapters) == (moe_layers * 2 * 2 if experts else remapped), sorted(trainable)
+    shared_adapters = {n for n in trainable if "lora_" in n and ".shared_expert." in n}
+    assert len(shared_adapters) == shared, sorted(shared_adapters)
     head = {n for n in trainable if "lm_head.modules_to_save" in n}
-    assert trainable == attention | expert_adapters | head, sorted(
-        trainable - attention - expert_adapters - head
+    assert trainable == attention | expert_adapters | shared_adapters | head, sorted(
+        trainable - attention - expert_adapters - shared_adapters - head
     )
     # The routers and the experts' own weights stay frozen; every trained tensor gets a gradient.
     frozen_moe = [
@@ -111,6 +120,8 @@ def test_merged_export_with_expert_adapters_reloads_as_a_plain_model(folders, ki
         got = merged.eval()(input_ids=ids).logits
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
         assert (expected - base.eval()(input_ids=ids).logits).abs().max() > 0.01  # the adapters mattered
+    if kind == "glm4v_moe":  # peft's remapped GLM adapter fuses gate's and up's ranks: not the layout below
+        return
     # One expert weight against the formula written out: expert e's delta is B_e A_e (alpha / r = 3).
     wrapper = model.base_model.model.model.language_model.layers[1].mlp.experts
     inner = wrapper.base_layer if wrapper.parameter_name == "down_proj" else wrapper
