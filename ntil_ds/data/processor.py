@@ -151,7 +151,11 @@ def _without_torchvision(name: str, processor_class):
 
     from transformers.utils import is_torchvision_available
 
-    if name not in _PIL_STAND_INS or is_torchvision_available() or not getattr(processor_class, "is_dummy", 0):
+    if (
+        name not in _PIL_STAND_INS
+        or is_torchvision_available()
+        or not getattr(processor_class, "is_dummy", 0)
+    ):
         return processor_class
     package = f"transformers.models.{_PIL_STAND_INS[name]}"
     torchvision_module = f"{package}.image_processing_{_PIL_STAND_INS[name]}"

@@ -118,7 +118,12 @@ def test_ntl_on_a_grouping_tokenizer_in_both_ntloss_modes(tmp_path, digit_level)
     level = str(digit_level).lower()
     cfg = load_config(
         None,
-        [f"model.name_or_path={tmp_path}", "data.train_file=x", "loss.name=ntl", f"loss.ntl_digit_level={level}"],
+        [
+            f"model.name_or_path={tmp_path}",
+            "data.train_file=x",
+            "loss.name=ntl",
+            f"loss.ntl_digit_level={level}",
+        ],
     )
     loss_fn = build_loss(cfg, tokenizer)
     out = loss_fn(logits, labels)
