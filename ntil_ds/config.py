@@ -95,6 +95,10 @@ class LossConfig:
     name: Literal["ntil", "ce", "emd", "ntl"] = "ntil"
     ntil_lambda: float = 0.3
     ntl_lambda: float = 0.3
+    # loss.name=ntl: ntloss's digit_level. True (its default, the ICML paper's): only the tokens "0".."9"
+    # are number tokens; False: every token that parses as a number ("123", "007") is one, scored by its
+    # own value whatever its place in the number.
+    ntl_digit_level: bool = True
     digit_alpha: float = 1.0
     abs_alpha: float = 0.2
     mag_alpha: float = 0.2

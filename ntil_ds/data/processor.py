@@ -41,6 +41,8 @@ def load_processor(model_dir: str | Path):
             **_processor_settings(model_dir, processor_class),
         )
         processor.source_dir = model_dir  # (not saved: only __init__ arguments are)
+    elif processor_class is not None and processor_class.__name__ in _PIL_STAND_INS:
+        processor = processor_class.from_pretrained(model_dir)  # (AutoProcessor gives the placeholder)
     else:
         processor = AutoProcessor.from_pretrained(model_dir)
     fix_mistral_regex(tokenizer_of(processor), model_dir)
@@ -124,13 +126,46 @@ def _declared_processor_class(model_dir: Path):
         if config_file.is_file():
             name = json.loads(config_file.read_text()).get("processor_class")  # optional key in HF's files
             if name:
-                return getattr(transformers, name, None)
+                return _without_torchvision(name, getattr(transformers, name, None))
     config_file = model_dir / "config.json"
     if not config_file.is_file():
         return None
     model_type = json.loads(config_file.read_text()).get("model_type")  # older configs may lack it
     name = PROCESSOR_MAPPING_NAMES.get(model_type)
-    return getattr(transformers, name, None) if name else None
+    return _without_torchvision(name, getattr(transformers, name, None)) if name else None
+
+
+# Processor classes transformers marks as needing torchvision only because their module imports one helper
+# from the torchvision image processor's module, a helper the PIL image processor's module defines too
+# (Pixtral's `get_resize_output_image_size`, used only to count image tokens for serving). Where
+# torchvision is missing, the module is imported with the PIL module standing in for that one import:
+# the stock class, with the PIL image processor its folder saves (`PixtralImageProcessorPil`).
+_PIL_STAND_INS = {"PixtralProcessor": "pixtral"}
+
+
+def _without_torchvision(name: str, processor_class):
+    """The stock processor class where transformers gives a torchvision placeholder for it (see
+    `_PIL_STAND_INS`); any other class as it is."""
+    import importlib
+    import sys
+
+    from transformers.utils import is_torchvision_available
+
+    if (
+        name not in _PIL_STAND_INS
+        or is_torchvision_available()
+        or not getattr(processor_class, "is_dummy", 0)
+    ):
+        return processor_class
+    package = f"transformers.models.{_PIL_STAND_INS[name]}"
+    torchvision_module = f"{package}.image_processing_{_PIL_STAND_INS[name]}"
+    pil = importlib.import_module(f"{package}.image_processing_pil_{_PIL_STAND_INS[name]}")
+    sys.modules[torchvision_module] = pil
+    try:
+        module = importlib.import_module(f"{package}.processing_{_PIL_STAND_INS[name]}")
+    finally:
+        del sys.modules[torchvision_module]  # a later import still finds the real module (and its error)
+    return getattr(module, name)
 
 
 def _processor_settings(model_dir: Path, processor_class: type) -> dict:

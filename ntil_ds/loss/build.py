@@ -23,7 +23,10 @@ def build_loss(cfg: Config, tokenizer: Any) -> NTILLoss | NTLLoss:
     c = cfg.loss
     if c.name == "ntl":
         return NTLLoss(
-            build_loss(replace(cfg, loss=replace(c, name="ce")), tokenizer), tokenizer, c.ntl_lambda
+            build_loss(replace(cfg, loss=replace(c, name="ce")), tokenizer),
+            tokenizer,
+            c.ntl_lambda,
+            digit_level=c.ntl_digit_level,
         )
     point_id = minus_id = None
     if c.decimal_numbers or c.signed_numbers:

@@ -50,7 +50,9 @@ class NTLLoss:
     `NTILOutput` whose `loss`/`loss_sum` include the NTL term.
     """
 
-    def __init__(self, ntil: NTILLoss, tokenizer: Any, ntl_lambda: float) -> None:
+    def __init__(
+        self, ntil: NTILLoss, tokenizer: Any, ntl_lambda: float, *, digit_level: bool = True
+    ) -> None:
         if ntil.ntil_lambda != 0.0:
             raise ValueError("NTLLoss needs the NTILLoss of its cross-entropy with ntil_lambda=0")
         if not ntl_lambda >= 0:
@@ -59,12 +61,15 @@ class NTLLoss:
         self.ntil = ntil
         self.tokenizer = tokenizer
         self.ntl_lambda = float(ntl_lambda)
+        self.digit_level = bool(
+            digit_level
+        )  # ntloss's: "0".."9" only, or every token that parses as a number
         self.digit_token_ids = ntil.digit_token_ids
         self.ignore_index = ntil.ignore_index
         self._ntl = None  # built at the first call: ntloss needs the logits' vocabulary size
 
     def __repr__(self) -> str:
-        return f"NTLLoss(ntl_lambda={self.ntl_lambda}, ce_and_report={self.ntil!r})"
+        return f"NTLLoss(ntl_lambda={self.ntl_lambda}, digit_level={self.digit_level}, ce_and_report={self.ntil!r})"
 
     def _number_token_loss(self, vocab_size: int):
         if self._ntl is None:
@@ -77,7 +82,9 @@ class NTLLoss:
                     f"loss.name=ntl needs the tokens '0'..'9' at ids {self.digit_token_ids}; the tokenizer "
                     f"has {ids}"
                 )
-            self._ntl = self._ntloss.NTLoss(self.tokenizer, vocab_size=vocab_size)
+            self._ntl = self._ntloss.NTLoss(
+                self.tokenizer, vocab_size=vocab_size, digit_level=self.digit_level
+            )
         return self._ntl
 
     def __call__(

@@ -277,6 +277,9 @@ OTHER_FAMILIES = {
     "glm4v": 56,  # digits grouped: grouped NTIL
     "qwen3_5_moe": 56,
     "glm4v_moe": 56,  # digits grouped: grouped NTIL
+    # PixtralProcessor with its PIL image processor (no torchvision); tokenizer.json's grouping regex fixed
+    # to single digits on loading: NTIL's single-digit loss
+    "mistral3": 28,
 }
 
 

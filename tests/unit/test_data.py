@@ -22,9 +22,8 @@ from ntil_ds.data import (
 from ntil_ds.data.encoding import encode, expands_to_image_tokens_only
 from ntil_ds.tiny import TINY_KINDS, build_tiny_model_folder
 
-# mistral3's PixtralProcessor cannot be built without torchvision (CPU torch has none); its tokenizer is
-# tested in test_tiny_models.py
-KINDS = tuple(k for k in TINY_KINDS if k != "mistral3")
+# (llama, the text-only Llama 3 of the grouped comparison, is mllama's tokenizer and template without images)
+KINDS = tuple(k for k in TINY_KINDS if k != "llama")
 
 MLLM_KINDS = ("qwen2_vl", "qwen2_5_vl", "llava", "qwen3_vl", "gemma3", "internvl", "smolvlm")
 END_OF_TURN = {
@@ -42,6 +41,7 @@ END_OF_TURN = {
     "glm4v": "<|endoftext|>",
     "qwen3_5_moe": "<|im_end|>",
     "glm4v_moe": "<|endoftext|>",
+    "mistral3": "</s>",
 }
 
 
@@ -138,6 +138,12 @@ def test_labels_are_exactly_the_answers_and_their_end_of_turn(tmp_path, processo
         if kind == "smolvlm":
             assert len(runs) == first["pixel_values"].shape[1] == 3 * 3 + 1
             assert {end - start for start, end in runs} == {processor.image_seq_len}
+        elif (
+            kind == "mistral3"
+        ):  # Pixtral: a row of [IMG] per patch row, each ended by [IMG_BREAK] / [IMG_END]
+            rows = torch.isin(first["input_ids"], torch.tensor(processor.image_token_ids))
+            assert len(runs) > 1 and len(_runs(rows)) == 1
+            assert int(first["input_ids"][_runs(rows)[0][1] - 1]) == processor.image_end_token_id
         else:
             assert len(runs) == 1
 

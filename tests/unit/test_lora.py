@@ -10,7 +10,18 @@ from ntil_ds.export import merged_state_dict, save_lora_export
 from ntil_ds.model import load_model, model_part
 from ntil_ds.tiny import build_tiny_model_folder
 
-KINDS = ("qwen2_vl", "llava", "qwen3_vl", "gemma3", "internvl", "smolvlm", "qwen2", "mllama", "glm4v")
+KINDS = (
+    "qwen2_vl",
+    "llava",
+    "qwen3_vl",
+    "gemma3",
+    "internvl",
+    "smolvlm",
+    "qwen2",
+    "mllama",
+    "glm4v",
+    "mistral3",
+)
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +70,7 @@ def test_adapters_go_on_the_language_model_only(folders, kind):
             "base_model.model.model.visual.deepstack_merger_list.0",
         }
     elif (
-        kind in ("llava", "internvl", "mllama")
+        kind in ("llava", "internvl", "mllama", "mistral3")
     ):  # (Mllama: the cross-attention layer is adapted too)  # (InternVL's vision tower has q/k/v_proj too: never adapted)
         expected.add("base_model.model.model.multi_modal_projector")
     elif kind == "smolvlm":  # (SigLIP's q/k/v_proj in model.vision_model: never adapted)

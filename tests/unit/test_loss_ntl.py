@@ -98,3 +98,51 @@ def test_ntl_without_the_package_says_how_to_install_it(tokenizer, tmp_path, mon
     cfg = load_config(None, [f"model.name_or_path={tmp_path}", "data.train_file=x", "loss.name=ntl"])
     with pytest.raises(NTLUnavailableError, match=r"pip install ntloss==0\.3\.2"):
         build_loss(cfg, tokenizer)
+
+
+@pytest.mark.parametrize("digit_level", [True, False])
+def test_ntl_on_a_grouping_tokenizer_in_both_ntloss_modes(tmp_path, digit_level):
+    """A LLaMA-3-style tokenizer ("123" one token): `loss.ntl_digit_level=true` (ntloss's default) scores
+    only the labels "0".."9" (a label "123" gets no NTL term); false scores every number token by its own
+    value, "123" -> 123 and "007" -> 7, whatever its place (max distance 999 in the reweighing)."""
+    tokenizer = AutoTokenizer.from_pretrained(build_tiny_model_folder("llama", tmp_path / "llama"))
+    vocab = tokenizer.get_vocab()
+    values = {i: float(t) for t, i in vocab.items() if t.isascii() and t.isdigit() and len(t) <= 3}
+    if digit_level:
+        values = {i: v for i, v in values.items() if len(tokenizer.convert_ids_to_tokens(i)) == 1}
+    assert len(values) == (10 if digit_level else 1110)
+    ids = sorted(values)
+    word = tokenizer.convert_tokens_to_ids("<|eot_id|>")
+    labels = torch.tensor([[vocab["123"], vocab["4"], word, -100], [-100, vocab["007"], vocab["9"], word]])
+    logits = torch.randn(2, 4, len(tokenizer), generator=torch.Generator().manual_seed(3), requires_grad=True)
+    level = str(digit_level).lower()
+    cfg = load_config(
+        None,
+        [
+            f"model.name_or_path={tmp_path}",
+            "data.train_file=x",
+            "loss.name=ntl",
+            f"loss.ntl_digit_level={level}",
+        ],
+    )
+    loss_fn = build_loss(cfg, tokenizer)
+    out = loss_fn(logits, labels)
+
+    flat_logits, flat_labels = logits.reshape(-1, logits.shape[-1]), labels.flatten()
+    expected = F.cross_entropy(flat_logits, flat_labels, ignore_index=-100, reduction="sum")
+    value = torch.tensor([values[i] for i in ids], dtype=torch.float64)
+    max_dist = float(value.max() - value.min())
+    scored = 0
+    for row, label in zip(flat_logits, flat_labels.tolist(), strict=True):
+        if label not in values:
+            continue
+        scored += 1
+        p = row[ids].double().softmax(-1)
+        mass = row.double().softmax(-1)[ids].sum()
+        term = mass * (p * (value - values[label]).abs()).sum() + 1.01 * max_dist * (1 - mass)
+        expected = expected + 0.3 * term.float()
+    assert scored == (2 if digit_level else 4)  # "4" and "9"; or also "123" and "007"
+    torch.testing.assert_close(out.loss_sum, expected, rtol=1e-5, atol=1e-4)
+    (grad,) = torch.autograd.grad(out.loss_sum, logits)
+    (expected_grad,) = torch.autograd.grad(expected, logits)
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-4, atol=1e-5)

@@ -35,7 +35,7 @@ MLLM_KINDS = (
     "glm4v",
 )
 # LLaMA-3-style tokenizers: digits in groups of 1-3 from the left (mistral3: the regex trap, as loaded)
-GROUPED_KINDS = ("mllama", "glm4v", "glm4v_moe", "mistral3")
+GROUPED_KINDS = ("mllama", "glm4v", "glm4v_moe", "mistral3", "llama")
 
 # Each family's vision tower and projector by parameter-name prefix (transformers 5.24's module names),
 # written out here independently of ntil_ds.model.parts, which they check: (tower, projector prefixes).
@@ -363,3 +363,25 @@ def test_mistral3_tokenizer_is_fixed_to_single_digits(folders, caplog):
         other = AutoTokenizer.from_pretrained(folders[kind])
         assert not fix_mistral_regex(other, folders[kind])
         assert probe_number_tokenization(other).kind == "grouped"
+
+
+def test_mistral3_processor_loads_without_torchvision_with_the_pil_image_processor(folders):
+    """transformers gives a torchvision placeholder for PixtralProcessor where torchvision is missing;
+    load_processor builds the stock class with the folder's PixtralImageProcessorPil, and it expands an
+    image into Pixtral's rows of [IMG] ended by [IMG_BREAK] / [IMG_END], one digit per token."""
+    from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
+    from transformers.utils import is_torchvision_available
+
+    processor = load_processor(folders["mistral3"])
+    assert type(processor).__module__ == "transformers.models.pixtral.processing_pixtral"
+    assert type(processor).__name__ == "PixtralProcessor"
+    assert isinstance(processor.image_processor, PixtralImageProcessorPil)
+    batch = _encode_image_sample(processor, size=(56, 28))  # 28 px longest edge: 14 x 28 -> 1 x 2 tokens
+    tokens = processor.tokenizer.convert_ids_to_tokens(batch["input_ids"][0])
+    start = tokens.index("[IMG]")
+    assert tokens[start : start + 3] == ["[IMG]", "[IMG]", "[IMG_END]"]
+    assert tuple(batch["pixel_values"].shape[-2:]) == (14, 28) and batch["image_sizes"].tolist() == [[14, 28]]
+    assert [t for t in tokens if t.isdigit()] == list("1042")
+    if not is_torchvision_available():  # the stock AutoProcessor still refuses, naming torchvision
+        with pytest.raises(ImportError, match="Torchvision"):
+            AutoProcessor.from_pretrained(folders["mistral3"])
