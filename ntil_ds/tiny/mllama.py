@@ -12,18 +12,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ntil_ds.tiny.llama import LLAMA3_SPECIAL_TOKENS
 from ntil_ds.tiny.tokenizer import chat_template, grouped_fast_tokenizer, tiny_text_config_kwargs
 
-MLLAMA_SPECIAL_TOKENS = (
-    "<|begin_of_text|>",
-    "<|end_of_text|>",
-    "<|finetune_right_pad_id|>",
-    "<|start_header_id|>",
-    "<|end_header_id|>",
-    "<|eot_id|>",
-    "<|python_tag|>",
-    "<|image|>",
-)
+# Llama 3's text tokens, then the vision model's (same ids as the text model's, then two more)
+MLLAMA_SPECIAL_TOKENS = (*LLAMA3_SPECIAL_TOKENS, "<|python_tag|>", "<|image|>")
 _MLLAMA_TILE = 28
 
 
