@@ -1,7 +1,8 @@
 """A NaN/Inf loss or gradient stops the job, on every rank, with a message that names the step, the rank
-and the samples: their ids and where each is (``file:line`` of a JSONL line, ``file:row n`` of a table row,
-from the training data's ``sample_name``: the right file of each sample under ``data.mixture`` too). DeepSpeed's optimizers skip a step whose gradients are not finite, so the weights stay
-those of the step before and the run can be resumed from its last checkpoint once the cause is found."""
+and the samples: their ids and where each is (``file:line`` of a JSONL line, ``file:row n`` of a table
+row, from the training data's ``sample_name``: each sample's own file under ``data.mixture`` too).
+DeepSpeed's optimizers skip a step whose gradients are not finite, so the weights stay those of the step
+before and the run can be resumed from its last checkpoint once the cause is found."""
 
 from __future__ import annotations
 

@@ -61,9 +61,8 @@ class NTLLoss:
         self.ntil = ntil
         self.tokenizer = tokenizer
         self.ntl_lambda = float(ntl_lambda)
-        self.digit_level = bool(
-            digit_level
-        )  # ntloss's: "0".."9" only, or every token that parses as a number
+        # ntloss's: "0".."9" only, or every token that parses as a number
+        self.digit_level = bool(digit_level)
         self.digit_token_ids = ntil.digit_token_ids
         self.ignore_index = ntil.ignore_index
         self._ntl = None  # built at the first call: ntloss needs the logits' vocabulary size

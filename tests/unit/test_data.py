@@ -138,9 +138,8 @@ def test_labels_are_exactly_the_answers_and_their_end_of_turn(tmp_path, processo
         if kind == "smolvlm":
             assert len(runs) == first["pixel_values"].shape[1] == 3 * 3 + 1
             assert {end - start for start, end in runs} == {processor.image_seq_len}
-        elif (
-            kind == "mistral3"
-        ):  # Pixtral: a row of [IMG] per patch row, each ended by [IMG_BREAK] / [IMG_END]
+        elif kind == "mistral3":
+            # Pixtral: a row of [IMG] per patch row, each ended by [IMG_BREAK] / [IMG_END]
             rows = torch.isin(first["input_ids"], torch.tensor(processor.image_token_ids))
             assert len(runs) > 1 and len(_runs(rows)) == 1
             assert int(first["input_ids"][_runs(rows)[0][1] - 1]) == processor.image_end_token_id
