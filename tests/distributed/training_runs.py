@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -82,11 +83,23 @@ def kill_after_checkpoint(
         finally:
             # torchrun starts its workers in sessions of their own: they are found as descendants,
             # not by process group.
-            job_processes = [psutil.Process(job.pid), *psutil.Process(job.pid).children(recursive=True)]
-            for process in job_processes:
-                process.kill()
-            psutil.wait_procs(job_processes, timeout=60)
+            psutil.wait_procs(kill_process_tree(job.pid), timeout=60)
             job.wait(timeout=60)
+
+
+def kill_process_tree(pid: int) -> list[psutil.Process]:
+    """SIGKILL the process ``pid`` and all its descendants; returns them for ``psutil.wait_procs``.
+    A descendant that ends between the listing and its kill (a compiler, a tokenizer worker) is not
+    an error: the kill's purpose is met."""
+    try:
+        root = psutil.Process(pid)
+        tree = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+    for process in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
+    return tree
 
 
 def tiny_job_overrides(out: Path, model_dir: Path, data_file: Path, **extra: object) -> dict[str, object]:

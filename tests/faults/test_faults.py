@@ -22,6 +22,7 @@ from tests.distributed.training_runs import (
     REPO_ROOT,
     TINY_RECIPE,
     TRAIN_SCRIPT,
+    kill_process_tree,
     launch_env,
     launcher_command,
     run_training,
@@ -44,6 +45,14 @@ def tiny_setup(tmp_path_factory):
 def overrides(setup, name: str, **extra: object) -> dict[str, object]:
     root, model_dir, data_file = setup
     return tiny_job_overrides(root / name, model_dir, data_file, **{"optim.lr": 0.001, **extra})
+
+
+def _runs_train_py(process: psutil.Process) -> bool:
+    """Whether ``process`` is a training rank; a short-lived helper that already ended is not."""
+    try:
+        return "train.py" in " ".join(process.cmdline())
+    except psutil.NoSuchProcess:
+        return False
 
 
 def _alive(process: psutil.Process) -> bool:
@@ -79,20 +88,15 @@ def test_rank_killed_with_sigkill_mid_step_ends_the_job_fast_and_nonzero(tiny_se
                     -3000:
                 ]
                 time.sleep(0.2)
-            workers = [
-                p
-                for p in psutil.Process(job.pid).children(recursive=True)
-                if "train.py" in " ".join(p.cmdline())
-            ]
+            workers = [p for p in psutil.Process(job.pid).children(recursive=True) if _runs_train_py(p)]
             rank_1 = next(p for p in workers if p.environ().get("RANK") == "1")
             killed_at = time.monotonic()
             rank_1.kill()  # a node's OOM killer, a hardware fault: no handler runs
             returncode = job.wait(timeout=300)  # the guard against a hang; the promise is checked below
             took_s = time.monotonic() - killed_at
         finally:
-            leftovers = [job, *psutil.Process(job.pid).children(recursive=True)] if job.poll() is None else []
-            for process in leftovers:
-                process.kill()
+            if job.poll() is None:
+                kill_process_tree(job.pid)
     assert returncode not in (0, EXIT_PREEMPTED), returncode
     # A bound that tells a hang (gloo's 30-minute timeout) from an ending, not a speed check.
     assert took_s < 120, f"the job took {took_s:.0f} s to end after rank 1 was killed"
