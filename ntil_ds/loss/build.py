@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 from typing import Any
 
@@ -13,7 +14,10 @@ from ntil_ds.loss.ntl import NTLLoss
 from ntil_ds.loss.tokenizer import (
     number_sign_and_point_ids_from_tokenizer,
     number_token_table_from_tokenizer,
+    single_character_digit_ids,
 )
+
+log = logging.getLogger(__name__)
 
 
 def build_loss(cfg: Config, tokenizer: Any) -> NTILLoss | NTLLoss:
@@ -30,10 +34,16 @@ def build_loss(cfg: Config, tokenizer: Any) -> NTILLoss | NTLLoss:
         )
     point_id = minus_id = None
     if c.decimal_numbers or c.signed_numbers:
-        minus_id, point_id = number_sign_and_point_ids_from_tokenizer(tokenizer)
+        try:
+            minus_id, point_id = number_sign_and_point_ids_from_tokenizer(tokenizer)
+        except ValueError as error:
+            raise ConfigError(
+                f"{error} Set loss.signed_numbers=false and loss.decimal_numbers=false for this tokenizer: "
+                "cross-entropy still trains the sign and the point, NTIL then reads each number's digits."
+            ) from error
     # One digit per token: NTILLoss on the ten digit ids; 1-3 digits grouped from the left: GroupedNTILLoss
     # on the tokenizer's number token table (the probe refuses anything else, saying what it found).
-    table = number_token_table_from_tokenizer(tokenizer)
+    table = _number_token_table(c.name, tokenizer)
     numbers = {"digit_token_ids": table[1]} if len(table) == 1 else {"number_token_table": table}
     return (NTILLoss if len(table) == 1 else GroupedNTILLoss)(
         **numbers,
@@ -52,6 +62,25 @@ def build_loss(cfg: Config, tokenizer: Any) -> NTILLoss | NTLLoss:
         kernel=c.kernel,  # loss.name=ntl gets both through its inner ce loss (the recursion above)
         number_stage=c.number_stage,
     )
+
+
+def _number_token_table(loss_name: str, tokenizer: Any) -> dict[int, list[int]]:
+    """The number token table the loss reads. A tokenizer NTIL cannot read (groups from the right, digits
+    merged with letters) is refused for every loss that trains on numbers; ``ce`` trains it all the same,
+    its NTIL parts (reported, no gradient) then reading only the labels' single-character digit tokens."""
+    try:
+        return number_token_table_from_tokenizer(tokenizer)
+    except ValueError as error:
+        if loss_name != "ce":
+            raise ConfigError(f"loss.name={loss_name}: {error}") from error
+        try:
+            table = {1: single_character_digit_ids(tokenizer)}
+        except ValueError as no_digits:
+            raise ConfigError(f"loss.name=ce: {no_digits}") from error
+        log.warning(
+            "loss.name=ce: %s The reported NTIL parts read only single-character digit labels.", error
+        )
+        return table
 
 
 def check_loss_supports(cfg: Config, *, vocab_parallel: bool) -> None:

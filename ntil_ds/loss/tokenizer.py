@@ -77,6 +77,22 @@ def digit_token_ids_from_tokenizer(tokenizer: TokenizerLike) -> list[int]:
     return digit_ids
 
 
+def single_character_digit_ids(tokenizer: TokenizerLike) -> list[int]:
+    """The ids of the tokens '0'..'9' each written alone, for a tokenizer that does not write numbers with
+    them (only cross-entropy trains on such a tokenizer; these are the digits its reported NTIL parts
+    read). Raises a ValueError if a digit alone is not one token."""
+    ids = []
+    for digit in DIGITS:
+        content = _content_ids(tokenizer, digit)
+        if len(content) != 1 or tokenizer.decode(content).strip() != digit:
+            raise ValueError(
+                f"Tokenizer {_describe(tokenizer)} has no single token for the digit {digit!r} "
+                f"(it writes it as {[tokenizer.decode([i]) for i in content]})."
+            )
+        ids += content
+    return ids
+
+
 def number_sign_and_point_ids_from_tokenizer(tokenizer: TokenizerLike) -> tuple[int, int]:
     """`(minus_sign_id, decimal_point_id)`: the ids of '-' and '.' as they appear in "-3.015".
 
@@ -91,7 +107,9 @@ def number_sign_and_point_ids_from_tokenizer(tokenizer: TokenizerLike) -> tuple[
         if not matches:
             raise ValueError(
                 f"Tokenizer {_describe(tokenizer)} has no token of its own for {char!r} in 'x=-3.015' "
-                f"(got {pieces}); signed/decimal NTIL needs one."
+                f"(it writes {pieces}; LLaMA-3-style pre-tokenizers merge a sign with the punctuation before "
+                "it, as in '=-' and ' -'): signed and decimal NTIL read the sign and the point as tokens of "
+                "their own."
             )
         found[char] = matches[0]
     return found["-"], found["."]

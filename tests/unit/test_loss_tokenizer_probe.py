@@ -12,6 +12,7 @@ import torch
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+from ntil_ds.config import ConfigError
 from ntil_ds.loss.grouped import GroupedNTILLoss
 from ntil_ds.loss.tokenizer import digit_token_ids_from_tokenizer, probe_number_tokenization
 
@@ -122,5 +123,46 @@ def test_recipes_build_the_grouped_loss_and_number_rows_for_a_grouped_tokenizer(
     assert loss_fn.number_token_table.column_ids == number_token_ids(grouped, False, False)
     assert len(number_token_ids(grouped, False, False)) == 1110
     assert type(build_loss(cfg, single)) is NTILLoss and len(number_token_ids(single, False, False)) == 10
-    with pytest.raises(ValueError, match="grouped from the right"):
+    with pytest.raises(ConfigError, match="loss.name=ntil: .*grouped from the right"):
         build_loss(cfg, _tokenizer(FROM_THE_RIGHT, "tiny-right"))
+
+
+def test_cross_entropy_trains_on_a_tokenizer_ntil_cannot_read_as_the_refusal_advises(caplog):
+    """The refusal tells the user to train with loss.name=ce; that recipe builds, its loss is exactly the
+    cross-entropy (float64, from the logits directly), and the log says NTIL's parts read single digits."""
+    import torch.nn.functional as F
+
+    from ntil_ds.config import load_config
+    from ntil_ds.loss.build import build_loss
+
+    tokenizer = _tokenizer(FROM_THE_RIGHT, "tiny-right")
+    cfg = load_config(None, ["model.name_or_path=x", "data.train_file=x", "loss.name=ce"])
+    with caplog.at_level("WARNING", logger="ntil_ds.loss.build"):
+        loss_fn = build_loss(cfg, tokenizer)
+    assert "grouped from the right" in caplog.text and "single-character digit labels" in caplog.text
+    assert tokenizer.convert_ids_to_tokens(loss_fn.digit_token_ids) == list("0123456789")
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 7, len(tokenizer), generator=generator)
+    labels = torch.randint(0, len(tokenizer), (2, 7), generator=generator)
+    labels[0, :2] = -100
+    expected = F.cross_entropy(logits.double().flatten(0, 1), labels.flatten(), ignore_index=-100)
+    assert torch.allclose(loss_fn(logits, labels).loss.double(), expected, rtol=1e-6, atol=1e-7)
+
+
+def test_signed_numbers_on_a_tokenizer_that_merges_the_sign_are_refused_at_start_with_the_fix():
+    """LLaMA-3's pre-tokenizer writes "x=-3" as "x" "=-" "3": no token of its own for the sign. Signed
+    NTIL is refused as a config error naming what was found and the setting that works; unsigned, the
+    same tokenizer builds the grouped loss."""
+    from ntil_ds.config import load_config
+    from ntil_ds.loss.build import build_loss
+
+    tokenizer = _tokenizer(LLAMA3, "tiny-llama3-signs", ("=-", " -"))
+    assert [tokenizer.decode([i]) for i in tokenizer.encode("x=-3", add_special_tokens=False)] == [
+        "x",
+        "=-",
+        "3",
+    ]
+    base = ["model.name_or_path=x", "data.train_file=x"]
+    with pytest.raises(ConfigError, match=r"no token of its own for '-'.*'=-'.*loss.signed_numbers=false"):
+        build_loss(load_config(None, [*base, "loss.signed_numbers=true"]), tokenizer)
+    assert type(build_loss(load_config(None, base), tokenizer)) is GroupedNTILLoss
