@@ -74,9 +74,11 @@ def best_constant(task: str, train_answers: list[str]) -> str:
     return _number_text(statistics.median(numbers), all(float(n).is_integer() for n in numbers))
 
 
-def control_scores(task: str, train: Path, test: Path) -> dict:
-    """{"train_split", "constants": {name: {"answer", "metrics"}}}: each constant scored on ``test``."""
-    train_answers, test_answers = answers(train), answers(test)
+def control_scores(task: str, trains: list[Path], test: Path) -> dict:
+    """{"train_split", "constants": {name: {"answer", "metrics"}}}: each constant, made from the answers
+    of every training split (a data.mixture has several), scored on ``test``."""
+    train_answers, test_answers = [a for train in trains for a in answers(train)], answers(test)
+    train = ", ".join(str(train) for train in trains)
     if not train_answers or not test_answers:
         raise ValueError(f"controls need answers in both {train} and {test}")
     constants = {
@@ -84,7 +86,7 @@ def control_scores(task: str, train: Path, test: Path) -> dict:
         "most common train answer": Counter(normalize(a) for a in train_answers).most_common(1)[0][0],
     }
     return {
-        "train_split": str(train),
+        "train_split": train,
         "constants": {
             name: {
                 "answer": answer,

@@ -79,7 +79,9 @@ class ComparisonPlan:
     base_overrides: list[str]  # for every run, after the recipe
     test_split: Path
     test_split_sha256: str  # of its bytes and its images' (comparison.splits): what a merge compares
-    train_split: Path  # the answer-ignoring constants come from it; a test item in it is refused
+    # data.train_file, or every data.mixture source: the answer-ignoring constants come from them, and a
+    # test item in any of them is refused
+    train_splits: list[Path]
     shuffled_n: int  # items of the shuffled-input check (image tasks); 0: none
     task: str
     metrics: tuple[str, ...]  # shown; the first is the numeric error the comparison is about
@@ -114,16 +116,17 @@ def plan_comparison(
 ) -> ComparisonPlan:
     """Check the recipe once (a bad recipe or override fails here, not in every job) and fix the plan."""
     cfg = load_config(recipe, overrides)
-    test = Path(test_split or Path(cfg.data.train_file).with_name("test.jsonl"))
+    trains = [Path(cfg.data.train_file)] if cfg.data.train_file else [Path(s.file) for s in cfg.data.mixture]
+    test = Path(test_split or trains[0].with_name("test.jsonl"))
     if not test.exists():
         raise SystemExit(
             f"test split {test} does not exist; give --test PATH (a JSONL, .parquet, shard folder or "
             "save_to_disk folder of the task)"
         )
     task = task or task_of(test)
-    train = Path(cfg.data.train_file)
-    if cfg.data.train_file and train.exists():  # a missing one fails in the first job, with its message
-        refuse_overlap(test, [train])
+    present = [train for train in trains if train.exists()]  # a missing one fails in the first job
+    if present:
+        refuse_overlap(test, present)
     return ComparisonPlan(
         recipe=recipe,
         out=out,
@@ -135,7 +138,7 @@ def plan_comparison(
         base_overrides=[redact_uri(override) for override in overrides],
         test_split=test,
         test_split_sha256=split_hash(test),
-        train_split=train,
+        train_splits=trains,
         shuffled_n=shuffled_n,
         task=task,
         metrics=metrics_shown(task),
@@ -161,7 +164,7 @@ class Comparison:
         once, before the first job: every export is scored on the same one)."""
         plan = self.plan
         try:
-            controls = control_scores(plan.task, plan.train_split, plan.test_split)
+            controls = control_scores(plan.task, plan.train_splits, plan.test_split)
         except (ValueError, OSError) as e:  # user data the constants cannot be made from: said, not fatal
             print(f"note: no answer-ignoring controls ({e})", flush=True)
             return None
@@ -283,7 +286,7 @@ class Comparison:
             "task": plan.task,
             "test_split": str(plan.test_split),
             "test_split_sha256": plan.test_split_sha256,
-            "train_split": str(plan.train_split),
+            "train_splits": [str(train) for train in plan.train_splits],
             "controls": self.controls,
             "losses": [label for label, _, _ in plan.specs],
             "seeds": plan.seeds,

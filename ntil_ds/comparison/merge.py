@@ -73,7 +73,7 @@ def merge_comparisons(grids: list[Path], out: Path) -> dict:
         "task": first["task"],
         "test_split": first["test_split"],
         "test_split_sha256": test_hash,
-        "train_split": first.get("train_split"),
+        "train_splits": _train_splits(first),
         # the same test split: the first grid's controls hold for all (made now for a grid that has none)
         "controls": first.get("controls") or _constants_now(first),
         "losses": labels,
@@ -132,20 +132,24 @@ def _same_test_items(grids: list[Path], reports: list[dict]) -> str:
 def _constants_now(report: dict) -> dict | None:
     """The answer-ignoring constants of a grid written before they were recorded, from its splits as
     they are now (the shuffled check needs every export run again: not made here)."""
-    train, test = _train_split(report), Path(report["test_split"])
-    if not train or not Path(train).is_file() or not test.is_file():
+    trains, test = [Path(t) for t in _train_splits(report)], Path(report["test_split"])
+    if not trains or not all(train.exists() for train in trains) or not test.is_file():
         return None
     try:
-        return control_scores(report["task"], Path(train), test)
+        return control_scores(report["task"], trains, test)
     except ValueError as e:
         print(f"note: no answer-ignoring controls ({e})", flush=True)
         return None
 
 
-def _train_split(report: dict) -> str | None:
-    """The grid's training split: recorded, else its ``data.train_file=`` override (older grids)."""
+def _train_splits(report: dict) -> list[str]:
+    """The grid's training splits: recorded (older grids: one, ``train_split``), else its
+    ``data.train_file=`` override (the oldest grids)."""
+    if report.get("train_splits"):
+        return list(report["train_splits"])
     named = [o.partition("=")[2] for o in report.get("overrides", []) if o.startswith("data.train_file=")]
-    return report.get("train_split") or (named[-1] if named else None)
+    recorded = report.get("train_split") or (named[-1] if named else None)
+    return [recorded] if recorded else []
 
 
 def _no_test_item_trained_on(grids: list[Path], reports: list[dict]) -> None:
@@ -154,14 +158,12 @@ def _no_test_item_trained_on(grids: list[Path], reports: list[dict]) -> None:
     test = next((Path(r["test_split"]) for r in reports if Path(r["test_split"]).is_file()), None)
     trains = []
     for grid, report in zip(grids, reports, strict=True):
-        train = _train_split(report)
-        if train and Path(train).is_file():
-            trains.append(Path(train))
-        else:
-            print(
-                f"note: {grid}'s training split ({train or 'not recorded'}) was not found: not checked",
-                flush=True,
-            )
+        recorded = _train_splits(report)
+        trains += [Path(train) for train in recorded if Path(train).exists()]
+        missing = [train for train in recorded if not Path(train).exists()]
+        if missing or not recorded:
+            named = ", ".join(missing) or "not recorded"
+            print(f"note: {grid}'s training split ({named}) was not found: not checked", flush=True)
     if test and trains:
         refuse_overlap(test, trains)
 

@@ -284,3 +284,40 @@ def test_the_plan_refuses_a_test_split_that_overlaps_the_training_split(tmp_path
     assert plan(small["train"]).test_split_sha256 == plan(small["train"]).test_split_sha256
     with pytest.raises(SystemExit, match="test items of .* are in the training split"):
         plan(larger["train"])
+
+    # Under data.mixture every source is a training split: the overlap is found in the second one, and
+    # the constants come from the answers of all of them.
+    other = write_dataset("arithmetic", 20, tmp_path / "other", seed=5)  # larger numbers: another median
+
+    def mixture_plan(*sources):
+        mixture = ", ".join(f"{{file: {source}, weight: 1}}" for source in sources)
+        return plan_comparison(
+            recipe,
+            tmp_path / "out",
+            [("ce", "ce", ["loss.name=ce"])],
+            [0],
+            nproc=1,
+            overrides=[
+                f"data.mixture=[{mixture}]",
+                "data.train_file=",
+                f"tracking.uri=sqlite:///{tmp_path / 'm.db'}",
+            ],
+            test_split=small["test"],
+            task=None,
+            command="compare.py",
+        )
+
+    assert mixture_plan(small["train"], other["train"]).train_splits == [small["train"], other["train"]]
+    with pytest.raises(SystemExit, match=f"in the training split {larger['train']}"):
+        mixture_plan(small["train"], larger["train"])
+    from ntil_ds.comparison.controls import answers, best_constant, control_scores
+
+    both = control_scores("arithmetic", [small["train"], other["train"]], small["test"])
+    assert both["train_split"] == f"{small['train']}, {other['train']}"
+    pooled = answers(small["train"]) + answers(other["train"])
+    constant = both["constants"]["best constant (train median)"]["answer"]
+    assert (
+        constant
+        == best_constant("arithmetic", pooled)
+        != best_constant("arithmetic", answers(small["train"]))
+    )

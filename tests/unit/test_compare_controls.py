@@ -31,7 +31,7 @@ def test_best_clock_constant_is_the_least_deviation_over_every_dial_time(clocks)
 
     brute = min(mean_deviation(m) for m in range(MINUTES_ON_DIAL))
     assert score("clock", [best] * len(train), train)["clock_dev_minutes"] == pytest.approx(brute)
-    scored = controls.control_scores("clock", clocks["train"], clocks["test"])
+    scored = controls.control_scores("clock", [clocks["train"]], clocks["test"])
     test = controls.answers(clocks["test"])
     constant = scored["constants"]["best constant (train median)"]
     assert constant["answer"] == best
@@ -84,7 +84,7 @@ def test_shuffled_split_and_chance(clocks, tmp_path):
 
 
 def test_the_table_carries_the_controls(clocks, tmp_path):
-    scored = controls.control_scores("clock", clocks["train"], clocks["test"])
+    scored = controls.control_scores("clock", [clocks["train"]], clocks["test"])
     shuffled = controls.write_shuffled_split(clocks["test"], tmp_path / "s.jsonl", n=4)
     scored["shuffled"] = shuffled | {"chance": controls.shuffled_chance("clock", clocks["test"], shuffled)}
     runs = [
@@ -164,7 +164,7 @@ def test_the_grid_prepares_the_controls_and_an_export_reads_the_shuffled_split(c
     prepared = Comparison(plan).prepare_controls()
     assert (
         prepared["constants"]
-        == controls.control_scores("clock", clocks["train"], clocks["test"])["constants"]
+        == controls.control_scores("clock", [clocks["train"]], clocks["test"])["constants"]
     )
     shuffled = prepared["shuffled"]
     assert shuffled["n"] == 4 and shuffled["path"] == str(tmp_path / "out" / controls.SHUFFLED_FILE)
