@@ -34,8 +34,9 @@ from ntil_ds.loss.vocab_kernel import on_device
 
 ROWS, ROW_WARPS = 2, 8  # the position kernels' [ROWS, LANES] tiles; then the sequence kernel's step
 SEQUENCE_BLOCK, SEQUENCE_WARPS = 256, 8
-# A constexpr: the compiled kernels can read no other global (the interpreter can).
-STATS = tl.constexpr(8)  # per row: E_0, E_1, E_2, argmax (REL sample), its factor, argmax (MAG sample), its factor, 0
+# Per row: E_0, E_1, E_2, argmax (REL sample), its factor, argmax (MAG sample), its factor, 0. A constexpr:
+# compiled kernels can read no other global (the interpreter can; test_kernel_compile.py compiles them).
+STATS = tl.constexpr(8)
 
 # Per position, int32: [code, place, run's last position, joining dots so far, last joining dot, W].
 _WIDTH = tl.constexpr(6)
