@@ -125,9 +125,11 @@ def check_grouped_number_kernels_on_packed_rows():
     got, packed_grad = _run(loss_fn, packed_logits, packed_labels, "ntil", unpack_index=unpack_index)
     want, grad = _run(loss_fn, logits, labels, "ntil")
     for field in ("ntil", "emd", "rel", "mag"):
-        torch.testing.assert_close(getattr(got, field), getattr(want, field), rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(getattr(got, field), getattr(want, field), rtol=1e-6, atol=1e-7,
+                                   msg=lambda message, field=field: f"packed {field}: {message}")  # fmt: skip
     for sample, (row, start) in enumerate(placements):
-        torch.testing.assert_close(packed_grad[row, start : start + 12], grad[sample], rtol=1e-6, atol=1e-8)
+        torch.testing.assert_close(packed_grad[row, start : start + 12], grad[sample], rtol=1e-6, atol=1e-8,
+                                   msg=lambda message, sample=sample: f"sample {sample}'s gradient: {message}")  # fmt: skip
     assert packed_grad[1, :5].abs().max() == 0 and want.rel > 0
 
 

@@ -114,11 +114,13 @@ def _compare(options, *, seed, batch=3, length=20, atol=1e-6, fast_dtype=torch.f
         expected[field].backward()
         for name in FIELDS:
             torch.testing.assert_close(
-                getattr(out, name).double(), expected[name], rtol=atol, atol=atol, msg=name
-            )
+                getattr(out, name).double(), expected[name], rtol=atol, atol=atol,
+                msg=lambda message, name=name: f"{name}: {message}",
+            )  # fmt: skip
         torch.testing.assert_close(
-            fast_logits.grad.double(), reference_logits.grad, rtol=atol, atol=atol, msg=field
-        )
+            fast_logits.grad.double(), reference_logits.grad, rtol=atol, atol=atol,
+            msg=lambda message, field=field: f"the gradient of {field}: {message}",
+        )  # fmt: skip
     return out
 
 
