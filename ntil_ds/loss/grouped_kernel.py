@@ -34,7 +34,9 @@ from ntil_ds.loss.vocab_kernel import on_device
 
 ROWS, ROW_WARPS = 2, 8  # the position kernels' [ROWS, LANES] tiles; then the sequence kernel's step
 SEQUENCE_BLOCK, SEQUENCE_WARPS = 256, 8
-STATS = 8  # per row: E_0, E_1, E_2, argmax (REL sample), its factor, argmax (MAG sample), its factor, 0
+# Per row: E_0, E_1, E_2, argmax (REL sample), its factor, argmax (MAG sample), its factor, 0. A constexpr:
+# compiled kernels can read no other global (the interpreter can; test_kernel_compile.py compiles them).
+STATS = tl.constexpr(8)
 
 # Per position, int32: [code, place, run's last position, joining dots so far, last joining dot, W].
 _WIDTH = tl.constexpr(6)
@@ -392,7 +394,7 @@ def forward(
     num_sequences, length = (unpack_index if unpack_index is not None else labels).shape
     device = columns.device
     num_rows = columns.shape[0]
-    stats = torch.empty(num_rows, STATS, dtype=torch.float32, device=device)
+    stats = torch.empty(num_rows, STATS.value, dtype=torch.float32, device=device)
     layout = torch.empty(num_sequences * length, _WIDTH.value, dtype=torch.int32, device=device)
     coef = torch.empty(num_sequences * length, 2, dtype=torch.float32, device=device)
     ntil = torch.empty(num_sequences, dtype=torch.float32, device=device)

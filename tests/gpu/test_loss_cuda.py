@@ -228,3 +228,104 @@ def test_default_loss_is_bitwise_deterministic_and_within_60_launches_on_cuda(dt
     launches = sum(1 for event in prof.events() if event.device_type == DeviceType.CUDA)
     print(f"{launches} GPU activities per forward + backward ({dtype})")
     assert launches <= 60
+
+
+LLAMA3_VOCAB = 128_256
+
+
+def llama3_style_table(max_width: int, vocab: int = LLAMA3_VOCAB, seed: int = 0):
+    """A LLaMA-3-style number token table (widths 1..max_width, zero-padded values, ids scattered over the
+    vocabulary), a minus sign, a decimal point and some words."""
+    ids = torch.randperm(vocab, generator=torch.Generator().manual_seed(seed)).tolist()
+    table, used = {}, 0
+    for width in range(1, max_width + 1):
+        table[width], used = ids[used : used + 10**width], used + 10**width
+    return table, ids[used], ids[used + 1], ids[used + 2 : used + 100]
+
+
+def grouped_labels(table, minus, point, words, batch, length, seed):
+    """[batch, length] labels: numbers of 1-9 digits tokenized as `\\p{N}{1,max width}` from the left
+    ("12345" -> "123" + "45"), some signed, some with a fraction ("3.015" -> "3" + "." + "015"), words, -100."""
+    generator = torch.Generator().manual_seed(seed)
+    width = max(table)
+
+    def randint(high):
+        return int(torch.randint(0, high, (1,), generator=generator))
+
+    def tokens(digits):
+        return [
+            table[len(part)][int(part)]
+            for part in (digits[i : i + width] for i in range(0, len(digits), width))
+        ]
+
+    rows = []
+    for _ in range(batch):
+        row = []
+        while len(row) < length:
+            number, kind = tokens(str(randint(10 ** (1 + randint(9))))), randint(5)
+            if kind == 0:
+                row += [minus, *number]
+            elif kind == 1:
+                row += [*number, point, *tokens(str(randint(1000)).zfill(1 + randint(3)))]
+            elif kind == 2:
+                row += [-100] * (1 + randint(3))
+            else:
+                row += [*number, words[randint(len(words))]]
+        rows.append(row[:length])
+    return torch.tensor(rows)
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize("max_width", [2, 3], ids=["widths 1-2", "widths 1-3"])
+def test_grouped_loss_is_bitwise_deterministic_and_within_60_launches_on_cuda(max_width):
+    """GroupedNTILLoss at LLaMA-3's vocabulary, [8, 512, 128256] bf16, signed + decimal, on its default
+    stages (the grouped Triton number kernels; the Triton vocabulary kernels for widths 1-2, the torch tiles
+    for widths 1-3, whose 1,110 columns they cannot take): two calls with the same noise give the same bits,
+    the number stage is one launch of each grouped forward kernel, and one call is <= 60 GPU activities.
+    Widths 1-3 are counted ~100 on CPU at one torch tile (tests/unit/grouped_kernel_checks.py), ~11 more a
+    tile: over 60 they are an expected failure that says so, until the vocabulary kernels take 1,110 columns."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from ntil_ds.loss import GroupedNTILLoss
+    from ntil_ds.loss.vocab_stats import _row_tiles
+
+    table, minus, point, words = llama3_style_table(max_width)
+    options = {
+        "signed_numbers": True,
+        "minus_sign_id": minus,
+        "decimal_numbers": True,
+        "decimal_point_id": point,
+    }
+    loss_fn = GroupedNTILLoss(table, **options)
+    assert loss_fn.number_stage_for(torch.zeros(1, device="cuda")) == "triton"
+    labels = grouped_labels(table, minus, point, words, 8, 512, seed=5).cuda()
+    generator = torch.Generator(device="cuda").manual_seed(5)
+    logits = (torch.randn(8, 512, LLAMA3_VOCAB, device="cuda", generator=generator) * 2).to(torch.bfloat16)
+    runs = []
+    for _ in range(2):
+        leaf = logits.detach().clone().requires_grad_()
+        out = loss_fn(leaf, labels, generator=torch.Generator(device="cuda").manual_seed(3))
+        out.loss.backward()
+        runs.append((out, leaf.grad))
+    for part in PARTS:
+        assert torch.equal(getattr(runs[0][0], part), getattr(runs[1][0], part)), part
+    assert torch.equal(runs[0][1], runs[1][1])
+    assert runs[0][0].rel > 0 and runs[0][0].emd > 0
+    del runs
+    leaf = logits.detach().clone().requires_grad_()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        loss_fn(leaf, labels).loss.backward()
+        torch.cuda.synchronize()
+    names = [event.name for event in prof.events() if event.device_type == DeviceType.CUDA]
+    for kernel in ("_position_kernel", "_sequence_kernel"):
+        assert sum(kernel in name for name in names) == 1, (kernel, names)
+    tiles = len(_row_tiles(8 * 512, LLAMA3_VOCAB, logits.device)) if loss_fn.kernel == "torch" else 0
+    print(f"{len(names)} GPU activities per forward + backward (widths 1-{max_width}, {tiles} torch tiles)")
+    if loss_fn.kernel == "torch" and len(names) > 60:
+        pytest.xfail(
+            f"{len(names)} GPU activities > 60: widths 1-3 (1,110 columns) run the torch vocabulary tiles "
+            f"({tiles} tiles here; GroupedNTILLoss.KERNEL_MAX_COLUMNS = 1024 for the Triton vocabulary kernels)"
+        )
+    assert len(names) <= 60, names

@@ -2,8 +2,11 @@
 against the float64 reference and the torch stage, and the vocabulary kernels with a grouped-digit loss's
 gathered columns (widths 1-2: 110 columns), on CPU (run as a script with TRITON_INTERPRET=1; tests/unit/test_loss_grouped.py runs it in a subprocess).
 GroupedNTILLoss(kernel="triton") against kernel="torch" (itself checked against the float64 reference),
-values and gradients, and one vocabulary shard's partials. Prints a JSON dict check name -> "ok" or the
-traceback."""
+values and gradients, and one vocabulary shard's partials; the launch count of the grouped loss. Prints a
+JSON dict check name -> {"status": "ok" or the traceback, "info": what the check returned}.
+
+    TRITON_INTERPRET=1 python tests/unit/grouped_kernel_checks.py [CHECK ...]
+"""
 
 import json
 import os
@@ -14,6 +17,7 @@ import torch
 
 from tests.unit.loss_kernel_checks import compare_backends, kernel_module
 from tests.unit.test_loss_grouped import (
+    OTHERS,
     RANDOM_CASES,
     SIGNED_DECIMAL,
     TABLE,
@@ -121,10 +125,87 @@ def check_grouped_number_kernels_on_packed_rows():
     got, packed_grad = _run(loss_fn, packed_logits, packed_labels, "ntil", unpack_index=unpack_index)
     want, grad = _run(loss_fn, logits, labels, "ntil")
     for field in ("ntil", "emd", "rel", "mag"):
-        torch.testing.assert_close(getattr(got, field), getattr(want, field), rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(getattr(got, field), getattr(want, field), rtol=1e-6, atol=1e-7,
+                                   msg=lambda message, field=field: f"packed {field}: {message}")  # fmt: skip
     for sample, (row, start) in enumerate(placements):
-        torch.testing.assert_close(packed_grad[row, start : start + 12], grad[sample], rtol=1e-6, atol=1e-8)
+        torch.testing.assert_close(packed_grad[row, start : start + 12], grad[sample], rtol=1e-6, atol=1e-8,
+                                   msg=lambda message, sample=sample: f"sample {sample}'s gradient: {message}")  # fmt: skip
     assert packed_grad[1, :5].abs().max() == 0 and want.rel > 0
+
+
+# --- launch count ---------------------------------------------------------------------------------
+
+# Widths 1-3 on the torch vocabulary tiles (one tile: ~62 aten ops), over the 60 of the Triton vocabulary
+# kernels, which take at most 1,024 columns (GroupedNTILLoss.KERNEL_MAX_COLUMNS): today's count.
+TORCH_TILES_LIMIT = 100
+
+
+def _runs_batch(table, runs_per_row: int, length: int = 16):
+    """[2, length] labels of number tokens (of every width) in `runs_per_row` runs split by words."""
+    tokens = [ids[(7 * i + 3) % len(ids)] for i, ids in enumerate(table.values())]
+    gaps = {round(i * length / runs_per_row) for i in range(1, runs_per_row)}
+    row = [OTHERS[4] if t in gaps or t - 1 in gaps else tokens[t % len(tokens)] for t in range(length)]
+    logits = torch.randn(2, length, VOCAB, generator=torch.Generator().manual_seed(runs_per_row))
+    return logits, torch.tensor([row, row[::-1]])
+
+
+def _packed_batch(table):
+    """Three samples of 12 positions packed in two rows of 24 (padding between): logits, labels, unpack."""
+    logits, labels = grouped_batch(3, 12, seed=5, dtype=torch.float32, table=table)
+    packed_logits, packed_labels = torch.zeros(2, 24, VOCAB), torch.full((2, 24), -100)
+    placements = [(0, 0), (0, 12), (1, 5)]
+    for sample, (row, start) in enumerate(placements):
+        packed_logits[row, start : start + 12] = logits[sample]
+        packed_labels[row, start : start + 12] = labels[sample]
+    unpack_index = torch.tensor([[row * 24 + start + i for i in range(12)] for row, start in placements])
+    return packed_logits, packed_labels, unpack_index
+
+
+def check_grouped_launches_are_a_constant_of_the_table():
+    """Launches of one forward + backward (noise on, as in training), counted on CPU (aten ops + Triton
+    launches, number_kernel_checks.count_launches): for each table and options the same count at every
+    B*T and number of runs; the grouped number stage is exactly three Triton launches (position, sequence,
+    backward) whatever the widths, and the whole loss <= 60 where the Triton vocabulary kernels take the
+    table (widths 1, 1-2). Widths 1-3 (1,110 columns) run the torch vocabulary tiles: ~100, not yet <= 60."""
+    from ntil_ds.loss.grouped import GroupedNTILLoss
+    from tests.unit.number_kernel_checks import LAUNCH_LIMIT, count_launches
+
+    kernel_module(block=256)
+    _small_number_blocks()
+    number_stage = {"grouped_kernel._position_kernel": 1, "grouped_kernel._sequence_kernel": 1,
+                    "grouped_kernel._backward_kernel": 1}  # fmt: skip
+    vocabulary = {"vocab_kernel._forward_kernel": 1, "vocab_kernel._backward_kernel": 1}
+    tables = {"widths 1": ({1: TABLE[1]}, "triton"), "widths 1-2": (TABLE_12, "triton"),
+              "widths 1-3": (TABLE, "torch")}  # fmt: skip
+    counts, failures = {}, []
+    for table_name, (table, kernel) in tables.items():
+        # 8 positions and 32, one run a row and six; widths 1-3 (LLaMA-3's table) also packed rows and
+        # signed + decimal mode. Small: the interpreter runs every program in Python.
+        cases = {"[1, 8]": (*grouped_batch(1, 8, seed=1, dtype=torch.float32, table=table), None),
+                 "[2, 16] 6 runs a row": (*_runs_batch(table, 6), None)}  # fmt: skip
+        runs = [("", {}, cases)]
+        if table_name == "widths 1-3":
+            more = {"[2, 16] 1 run a row": (*_runs_batch(table, 1), None),
+                    "[3, 12] packed in [2, 24]": _packed_batch(table)}  # fmt: skip
+            runs = [("", {}, {**cases, **more}), (" signed+decimal", SIGNED_DECIMAL, cases)]
+        for options_name, option, batches in runs:
+            loss_fn = GroupedNTILLoss(table, kernel=kernel, number_stage="triton", **option)
+            totals = set()
+            for case_name, (logits, labels, unpack_index) in batches.items():
+                count = count_launches(loss_fn, logits, labels, unpack_index=unpack_index)
+                name = f"{table_name}{options_name} {case_name}"
+                counts[name] = {key: count[key] for key in ("aten", "triton", "total", "kernels")}
+                totals.add(count["total"])
+                expected = {**number_stage, **(vocabulary if kernel == "triton" else {})}
+                if count["kernels"] != expected:
+                    failures.append(f"{name}: Triton launches {count['kernels']}, expected {expected}")
+                limit = LAUNCH_LIMIT if kernel == "triton" else TORCH_TILES_LIMIT
+                if count["total"] > limit:
+                    failures.append(f"{name}: {count['total']} launches > {limit}")
+            if len(totals) != 1:
+                failures.append(f"{table_name}{options_name}: the count depends on the batch: {totals}")
+    assert not failures, "\n".join(failures)
+    return counts
 
 
 CHECKS = {name: value for name, value in globals().items() if name.startswith("check_")}
@@ -134,10 +215,9 @@ if __name__ == "__main__":
         sys.exit("run with TRITON_INTERPRET=1")
     torch.set_num_threads(1)
     results = {}
-    for name, check in CHECKS.items():
+    for name in sys.argv[1:] or list(CHECKS):
         try:
-            check()
-            results[name] = "ok"
+            results[name] = {"status": "ok", "info": CHECKS[name]()}
         except Exception:
-            results[name] = traceback.format_exc()
+            results[name] = {"status": traceback.format_exc()}
     print(json.dumps(results))

@@ -279,6 +279,7 @@ def count_launches(loss_fn, logits, labels, **call_kwargs) -> dict:
     no_launch = {"empty", "empty_strided", "empty_like", "detach", "alias", "lift_fresh", "scalar_tensor"}
     ops = collections.Counter()
     state = {"in_triton": False, "triton": 0}
+    kernels = collections.Counter()  # module.name of each Triton kernel launched in the counted call
 
     class CountOps(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -291,6 +292,7 @@ def count_launches(loss_fn, logits, labels, **call_kwargs) -> dict:
 
     def counted_run(self, *args, **kwargs):
         state["triton"] += 1
+        kernels[f"{self.fn.__module__.rsplit('.', 1)[-1]}.{self.fn.__name__}"] += 1
         state["in_triton"] = True
         try:
             return original(self, *args, **kwargs)
@@ -307,7 +309,7 @@ def count_launches(loss_fn, logits, labels, **call_kwargs) -> dict:
     finally:
         InterpretedFunction.run = original
     return {"aten": sum(ops.values()), "triton": state["triton"], "total": sum(ops.values()) + state["triton"],
-            "ops": dict(ops.most_common())}  # fmt: skip
+            "ops": dict(ops.most_common()), "kernels": dict(sorted(kernels.items()))}  # fmt: skip
 
 
 PACKED = [[9, 14], [23], [4, 6, 11]]  # three rows of 24 positions holding five samples and some padding

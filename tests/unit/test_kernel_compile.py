@@ -1,13 +1,14 @@
 """Every Triton kernel of the project through Triton's real compiler, without a GPU.
 
-The interpreter tests (test_loss_kernel.py, test_number_kernel.py) run the kernels' Python, not the
-compiler: they cannot see a type error in code generation, register pressure or spills. Here each kernel is
-compiled by `triton.compile` for sm_80, sm_90 and sm_100, in every dtype and constexpr variant that the
-wrappers can launch there, with the block and warps they launch it with (vocab_kernel.LAUNCH,
-number_kernel.FORWARD_* / BACKWARD_*); `cuobjdump --dump-resource-usage` (shipped in the triton wheel)
-reads registers and spills of the cubin. Asserted: 0 spill bytes and no atomic instruction in the PTX (the
-loss is deterministic because none of its sums uses atomics). The register table is printed (`pytest -s`)
-with the resident warps per SM those registers allow. ~45 s of CPU, in a fresh Triton cache.
+The interpreter tests (test_loss_kernel.py, test_number_kernel.py, test_loss_grouped.py) run the kernels'
+Python, not the compiler: they cannot see a type error in code generation, a global the compiler cannot
+read, register pressure or spills. Here each kernel is compiled by `triton.compile` for sm_80, sm_90 and
+sm_100, in every dtype and constexpr variant that the wrappers can launch there, with the block and warps
+they launch it with (vocab_kernel.LAUNCH, number_kernel.FORWARD_* / BACKWARD_*, grouped_kernel.ROWS /
+ROW_WARPS / SEQUENCE_*); `cuobjdump --dump-resource-usage` (shipped in the triton wheel) reads registers and
+spills of the cubin. Asserted: 0 spill bytes and no atomic instruction in the PTX (the loss is
+deterministic because none of its sums uses atomics). The register table is printed (`pytest -s`) with the
+resident warps per SM those registers allow. ~45 s of CPU, in a fresh Triton cache.
 """
 
 from __future__ import annotations
@@ -109,6 +110,35 @@ def number_variants(arch: int):
         )
 
 
+def grouped_variants(arch: int):
+    """The grouped-digit number stage (grouped_kernel): the position and backward kernels at each table's
+    lanes, next_power_of_2(10**max width) (widths {1}: 16, {1, 2}: 128, {1, 2, 3}: 1,024 of the 1,110
+    columns), the sequence kernel once (its block does not depend on the table). Signed / decimal / noise /
+    packed rows are runtime flags there (do_not_specialize), the tensors fp32: one variant each."""
+    import triton
+
+    from ntil_ds.loss import grouped_kernel as gk
+
+    integer_pointers = {"labels_ptr": "*i64", "unpack_ptr": "*i64", "column_ptr": "*i32"}
+    integer_pointers.update({"layout_ptr": "*i32", "counts_ptr": "*i32"})
+    launches = [("sequence", gk._sequence_kernel, {"BLOCK": gk.SEQUENCE_BLOCK}, gk.SEQUENCE_WARPS, "")]
+    for max_width in (1, 2, 3):
+        lanes = {"ROWS": gk.ROWS, "LANES": triton.next_power_of_2(10**max_width)}
+        for direction, kernel in (("position", gk._position_kernel), ("backward", gk._backward_kernel)):
+            launches.append((direction, kernel, lanes, gk.ROW_WARPS, f" widths 1-{max_width}"))
+    for direction, kernel, constexprs, warps, widths in launches:
+        names = inspect.signature(kernel.fn).parameters
+        pointers = {name: integer_pointers.get(name, "*fp32") for name in names if name.endswith("_ptr")}
+        yield (
+            f"grouped {direction}",
+            f"fp32{widths}",
+            kernel,
+            signature(kernel, pointers, constexprs),
+            constexprs,
+            warps,
+        )
+
+
 def resource_usage(cubin: bytes, tmp_path: Path) -> dict[str, int]:
     import triton
 
@@ -142,6 +172,7 @@ def test_every_kernel_compiles_for_sm80_sm90_sm100_without_spills_or_atomics(tmp
         for name, variant, kernel, types, constexprs, warps in [
             *vocab_variants(arch),
             *number_variants(arch),
+            *grouped_variants(arch),
         ]:
             source = ASTSource(fn=kernel, signature=types, constexprs=constexprs)
             compiled = triton.compile(
@@ -150,21 +181,27 @@ def test_every_kernel_compiles_for_sm80_sm90_sm100_without_spills_or_atomics(tmp
             usage = resource_usage(compiled.asm["cubin"], tmp_path)
             usage["SHARED"] = compiled.metadata.shared  # Triton's dynamic shared memory (reductions, scans)
             occupancy = resident_warps(usage["REG"], usage["SHARED"], warps, arch)
-            rows.append((name, variant, arch, constexprs["BLOCK"], warps, usage, occupancy))
+            block = constexprs.get("BLOCK") or f"{constexprs['ROWS']}x{constexprs['LANES']}"
+            rows.append((name, variant, arch, block, warps, usage, occupancy))
             where = f"{name} {variant} sm_{arch}"
             if usage["LOCAL"]:
                 failures.append(f"{where}: {usage['LOCAL']} bytes of spills")
             if ATOMIC.search(compiled.asm["ptx"]):
                 failures.append(f"{where}: an atomic instruction in the PTX (sums must have a fixed order)")
     print(f"\n{len(rows)} compiled kernels in {time.perf_counter() - started:.0f} s")
-    print(f"{'kernel':16s} {'variant':37s} {'arch':6s} {'block':>6s} {'warps':>5s} {'regs':>4s} "
+    print(f"{'kernel':16s} {'variant':37s} {'arch':6s} {'block':>7s} {'warps':>5s} {'regs':>4s} "
           f"{'spill B':>7s} {'shared B':>8s} {'warps/SM':>8s}")  # fmt: skip
     for name, variant, arch, block, warps, usage, occupancy in rows:
-        print(f"{name:16s} {variant:37s} sm_{arch:<3d} {block:6d} {warps:5d} {usage['REG']:4d} "
+        print(f"{name:16s} {variant:37s} sm_{arch:<3d} {block!s:>7s} {warps:5d} {usage['REG']:4d} "
               f"{usage['LOCAL']:7d} {usage['SHARED']:8d} {occupancy:8d}")  # fmt: skip
     assert not failures, "\n".join(failures)
     # Every architecture, every kernel: the wrappers can launch nothing that was not compiled here.
     assert {(row[0], row[2]) for row in rows} == {
-        (name, arch) for name in ("vocab forward", "vocab backward", "number forward", "number backward")
+        (name, arch) for name in ("vocab forward", "vocab backward", "number forward", "number backward",
+                                  "grouped position", "grouped sequence", "grouped backward")
         for arch in ARCHITECTURES
     }  # fmt: skip
+    # The grouped stage at every table a tokenizer probe can give (widths 1, 1-2, 1-3): its lanes.
+    assert {row[1] for row in rows if row[0] == "grouped backward"} == {
+        f"fp32 widths 1-{width}" for width in (1, 2, 3)
+    }

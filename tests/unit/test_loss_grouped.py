@@ -114,11 +114,13 @@ def _compare(options, *, seed, batch=3, length=20, atol=1e-6, fast_dtype=torch.f
         expected[field].backward()
         for name in FIELDS:
             torch.testing.assert_close(
-                getattr(out, name).double(), expected[name], rtol=atol, atol=atol, msg=name
-            )
+                getattr(out, name).double(), expected[name], rtol=atol, atol=atol,
+                msg=lambda message, name=name: f"{name}: {message}",
+            )  # fmt: skip
         torch.testing.assert_close(
-            fast_logits.grad.double(), reference_logits.grad, rtol=atol, atol=atol, msg=field
-        )
+            fast_logits.grad.double(), reference_logits.grad, rtol=atol, atol=atol,
+            msg=lambda message, field=field: f"the gradient of {field}: {message}",
+        )  # fmt: skip
     return out
 
 
@@ -322,10 +324,14 @@ def test_kernel_choice_for_tables_the_vocabulary_kernels_cannot_take():
     assert (narrow.kernel, narrow.kernel_note) == ("auto", "")
 
 
-@pytest.mark.slow
-def test_vocabulary_kernels_in_the_interpreter():
-    """tests/unit/grouped_kernel_checks.py under TRITON_INTERPRET=1 (a subprocess: the flag must be set
-    before the kernels are defined)."""
+CHECKS_FILE = Path(__file__).resolve().parent / "grouped_kernel_checks.py"
+LAUNCH_CHECK = "check_grouped_launches_are_a_constant_of_the_table"
+
+
+@pytest.fixture(scope="module")
+def interpreter_results():
+    """tests/unit/grouped_kernel_checks.py under TRITON_INTERPRET=1, once (a subprocess: the flag must be set
+    before the kernels are defined and must not reach other tests): check name -> {status, info}."""
     import importlib.util
     import os
     import subprocess
@@ -333,13 +339,41 @@ def test_vocabulary_kernels_in_the_interpreter():
 
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed")
-    checks = Path(__file__).resolve().parent / "grouped_kernel_checks.py"
-    path = os.pathsep.join(p for p in (str(checks.parents[2]), os.environ.get("PYTHONPATH", "")) if p)
+    path = os.pathsep.join(p for p in (str(CHECKS_FILE.parents[2]), os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
-    done = subprocess.run([sys.executable, str(checks)], capture_output=True, text=True, timeout=600, env=env)
+    done = subprocess.run(
+        [sys.executable, str(CHECKS_FILE)], capture_output=True, text=True, timeout=600, env=env
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    results = json.loads(done.stdout.strip().splitlines()[-1])
-    assert results and all(result == "ok" for result in results.values()), results
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _check_names():
+    """The checks' names, read from the file (importing it here would import this module again)."""
+    import re
+
+    return sorted(
+        set(re.findall(r"^def (check_\w+)", CHECKS_FILE.read_text(), re.MULTILINE)) - {LAUNCH_CHECK}
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", _check_names())
+def test_grouped_kernels_in_the_interpreter(interpreter_results, name):
+    """The vocabulary kernels with a grouped table's columns and the grouped number kernels (1,110 columns)
+    against the float64 reference and the torch stage, packed rows included."""
+    assert interpreter_results[name]["status"] == "ok", interpreter_results[name]["status"]
+
+
+@pytest.mark.slow
+def test_grouped_loss_launches_are_a_constant_of_the_table(interpreter_results):
+    """Counted on CPU (number_kernel_checks.count_launches): three grouped Triton launches per forward +
+    backward at every batch, run count and mode; the count table is printed (`pytest -s`)."""
+    result = interpreter_results[LAUNCH_CHECK]
+    print("\nlaunches per GroupedNTILLoss forward + backward (aten ops + Triton launches):")
+    for name, count in (result.get("info") or {}).items():
+        print(f"  {name:52s} {count['aten']:4d} + {count['triton']} = {count['total']}")
+    assert result["status"] == "ok", result["status"]
 
 
 @pytest.mark.slow
