@@ -127,6 +127,11 @@ EXPERT_MARKERS = ("mlp.experts.", "feed_forward.experts.")
 # The config fields the MoE families name their expert count with (text_config for MLLMs).
 _EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
 
+# Text-model types whose fused experts compute every token (their scores zero where not routed) instead of
+# the routed ones: transformers 5.24's Llama4TextExperts, one batched matmul over all experts. For the
+# estimator's activations; ZeRO-3 gathers every expert on every rank anyway.
+EXPERTS_SEE_EVERY_TOKEN = ("llama4_text",)
+
 MoePart = Literal["router", "experts"]
 
 
