@@ -22,7 +22,9 @@ from ntil_ds.model.parts import auto_model_class, expert_modules, moe_part
 from ntil_ds.moe import router_terms_for
 from ntil_ds.tiny import build_tiny_model_folder
 
-pytestmark = pytest.mark.skipif(is_torchvision_available(), reason="checks the loading without torchvision")
+WITHOUT_TORCHVISION = pytest.mark.skipif(
+    is_torchvision_available(), reason="checks the loading without torchvision"
+)
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +61,7 @@ def _lines(tmp_path, with_image: bool):
     return path
 
 
+@WITHOUT_TORCHVISION
 @pytest.mark.parametrize("on_bad_sample", ["error", "skip"])
 def test_without_torchvision_text_trains_and_an_image_is_refused_at_start(folder, tmp_path, on_bad_sample):
     processor = load_processor(folder)
