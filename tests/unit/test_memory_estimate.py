@@ -382,6 +382,28 @@ def test_moe_total_and_active_parameters_against_the_real_model(tmp_path, kind):
     assert 0 < counts.active < counts.total
 
 
+def test_llama4_total_and_active_parameters_against_its_text_model(tmp_path):
+    """Llama 4 as it trains (its text model, model.kind=llm): total = the real tiny Llama4ForCausalLM's
+    numel; active = less E - k routed experts per MoE layer (``num_local_experts``, width
+    ``intermediate_size``; every layer sparse here, as in Scout)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = build_tiny_model_folder("llama4", tmp_path / "llama4")
+    text = AutoConfig.from_pretrained(folder).text_config
+    model = AutoModelForCausalLM.from_config(text)
+    total = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    h, w, experts, k = (
+        text.hidden_size,
+        text.intermediate_size,
+        text.num_local_experts,
+        text.num_experts_per_tok,
+    )
+    counts, _ = count_parameters(_cfg(folder, "model.kind=llm"))
+    assert counts.total == total
+    assert counts.active == total - len(text.moe_layers) * (experts - k) * 3 * h * w
+    assert counts.expert_block == experts * 3 * h * w
+
+
 def test_dense_models_report_no_active_count(tiny):
     counts, _ = count_parameters(_cfg(tiny["qwen2_vl"]))
     assert (counts.active, counts.expert_block) == (0, 0)
