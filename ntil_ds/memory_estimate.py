@@ -59,7 +59,13 @@ from ntil_ds.loss.tokenizer import DIGITS
 from ntil_ds.model.known_configs import KNOWN_CONFIGS
 from ntil_ds.model.loading import freeze_parts
 from ntil_ds.model.lora import apply_lora
-from ntil_ds.model.parts import auto_model_class, expert_modules, num_experts, text_config_of
+from ntil_ds.model.parts import (
+    EXPERTS_SEE_EVERY_TOKEN,
+    auto_model_class,
+    expert_modules,
+    num_experts,
+    text_config_of,
+)
 from ntil_ds.model.quantize import is_quantized_linear
 
 GIB = 2**30
@@ -241,14 +247,16 @@ def activation_bytes_per_token(hf_config: Any, dtype: str, checkpointing: bool) 
     if experts := num_experts(hf_config):  # every layer sparse (Qwen3-VL-MoE: decoder_sparse_step 1)
         # the active experts' widths per token, their gathered inputs, the router's logits (measured on
         # transformers 5.24's fused experts within 5 %: tests/unit/test_memory_estimate.py)
-        k, width = text.num_experts_per_tok, text.moe_intermediate_size
+        k, width = text.num_experts_per_tok, getattr(text, "moe_intermediate_size", None) or i
+        if text.model_type in EXPERTS_SEE_EVERY_TOKEN:  # (Llama 4: its experts' bmm takes every token)
+            k = experts
         mlp = (
             _ACT_PER_EXPERT_MLP * k * width + _ACT_PER_EXPERT_INPUT * k * h + _ACT_PER_ROUTER_LOGIT * experts
         )
         # a shared expert (Qwen3.5-MoE, GLM-4.5V) is a dense MLP beside them (not measured on its own)
         shared = getattr(text, "shared_expert_intermediate_size", 0) or width * getattr(
-            text, "n_shared_experts", 0
-        )
+            text, "n_shared_experts", 1 if text.model_type in EXPERTS_SEE_EVERY_TOKEN else 0
+        )  # (Llama 4: one shared expert of the routed ones' width, no config field for it)
         mlp += _ACT_PER_MLP * shared
     per_layer = (_ACT_PER_HIDDEN * h + _ACT_PER_KV * kv + mlp) * scale
     if checkpointing:

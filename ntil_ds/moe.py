@@ -15,6 +15,11 @@ The load: per MoE layer, the share of the step's top-k assignments (unpadded tok
 and ranks) each expert got; logged as the smallest and largest share over all layers and experts
 (``1 / num_experts`` each when balanced) and the number of (layer, expert) pairs that got no token, so
 a collapsing router shows. Everything stays on the device until the step's one read.
+
+A family whose modeling code computes no load-balancing loss (transformers 5.24's Llama 4: its forward
+returns the router logits but no ``aux_loss``, its module has no ``load_balancing_loss_func``) trains
+without one: the expert load is still logged, ``train/aux_loss`` is not, and a recipe that sets a non-zero
+``model.router_aux_loss_coef`` for it is refused at start.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ class RouterTerms:
     coef: float
     num_experts: int
     top_k: int
+    has_aux: bool = True  # False: the family's forward computes no aux loss (then coef is 0)
     last_aux: torch.Tensor | None = field(default=None, repr=False)
     last_counts: torch.Tensor | None = field(default=None, repr=False)  # [MoE layers, experts]
 
@@ -43,7 +49,7 @@ class RouterTerms:
     def record(self, output: Any, attention_mask: torch.Tensor | None) -> None:
         """After a forward: its aux loss (with its graph) and its expert counts (no graph)."""
         aux, router_logits = getattr(output, "aux_loss", None), getattr(output, "router_logits", None)
-        if aux is None or not router_logits:
+        if (aux is None and self.has_aux) or not router_logits:
             raise RuntimeError(
                 f"{type(output).__name__} has no aux_loss / router_logits although the forward was asked "
                 "for them (output_router_logits=True)"
@@ -54,11 +60,13 @@ class RouterTerms:
     def objective_sum(self, loss_sum: torch.Tensor, num_targets: int) -> torch.Tensor:
         """The last forward's summed loss plus its aux term, both over its labelled tokens (the trainer
         divides by the step's global count). Added even at coef 0: then it changes no gradient."""
-        return loss_sum + self.coef * self.last_aux * num_targets
+        return loss_sum + self.coef * self.last_aux * num_targets if self.has_aux else loss_sum
 
     def add_sums(self, sums: dict[str, torch.Tensor], num_targets: int) -> None:
         """The last forward's aux term and counts into the step's device sums."""
-        parts = {"aux_sum": self.last_aux.detach().double() * num_targets, "expert_counts": self.last_counts}
+        parts = {"expert_counts": self.last_counts}
+        if self.has_aux:
+            parts["aux_sum"] = self.last_aux.detach().double() * num_targets
         for name, value in parts.items():
             sums[name] = sums[name] + value if name in sums else value
 
@@ -70,6 +78,14 @@ def router_terms_for(model: torch.nn.Module, coef: float | None) -> RouterTerms 
     if not count:
         return None
     text = text_config_of(model.config)
+    if not computes_aux_loss(model):
+        if coef:
+            raise ValueError(
+                f"model.router_aux_loss_coef={coef}: {type(_base(model)).__name__}'s forward computes no "
+                "router load-balancing loss in this transformers (its modeling code has no "
+                "load_balancing_loss_func); remove model.router_aux_loss_coef (the expert load is still logged)"
+            )
+        return RouterTerms(coef=0.0, num_experts=count, top_k=int(text.num_experts_per_tok), has_aux=False)
     own = getattr(text, "router_aux_loss_coef", None)
     if coef is None and own is None:
         raise ValueError(
@@ -81,6 +97,21 @@ def router_terms_for(model: torch.nn.Module, coef: float | None) -> RouterTerms 
         num_experts=count,
         top_k=int(text.num_experts_per_tok),
     )
+
+
+def _base(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model under a peft wrapper (the model itself without one)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def computes_aux_loss(model: torch.nn.Module) -> bool:
+    """Whether the model's own modeling code computes the router's load-balancing loss (transformers
+    defines ``load_balancing_loss_func`` in each MoE family's modeling module that has one)."""
+    import sys
+
+    module = sys.modules.get(type(_base(model)).__module__)
+    return module is not None and hasattr(module, "load_balancing_loss_func")
 
 
 def expert_counts(
@@ -101,12 +132,13 @@ def expert_counts(
 
 def router_metrics(host: dict[str, Any], labelled: float, tp: int, experts: int) -> dict[str, float]:
     """The step's ``aux_loss`` and expert load from its summed host values (empty for a dense model)."""
-    if "aux_sum" not in host:
+    if "expert_counts" not in host:
         return {}
     counts = torch.tensor(host["expert_counts"], dtype=torch.float64).reshape(-1, experts) / tp
     shares = counts / counts.sum(dim=1, keepdim=True).clamp_min(1.0)
+    aux = {"aux_loss": host["aux_sum"] / tp / max(labelled, 1.0)} if "aux_sum" in host else {}
     return {
-        "aux_loss": host["aux_sum"] / tp / max(labelled, 1.0),
+        **aux,
         "expert_share_min": float(shares.min()),
         "expert_share_max": float(shares.max()),
         "experts_unused": float((counts == 0).sum()),

@@ -67,6 +67,8 @@ def render(processor, messages: list[dict], add_generation_prompt: bool) -> str:
 def encode(processor, conversation: Conversation, max_seq_len: int) -> EncodedConversation:
     """Encode one checked conversation (raises `BadSample` for a conversation that cannot be used)."""
     if conversation.images and not is_multimodal(processor):
+        if getattr(processor, "images_refused_because", None):  # (no on_bad_sample=skip: every image is)
+            raise DataError(f"{conversation.source}: has an image, but {processor.images_refused_because}")
         raise BadSample(
             conversation.source,
             "image_for_text_model",

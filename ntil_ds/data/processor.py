@@ -4,7 +4,9 @@ Why not plain `AutoProcessor.from_pretrained`: in transformers 5.24 the Qwen-VL 
 processor, and every video processor requires torchvision. CPU machines with torch 2.13.0+cpu have no
 matching torchvision (PyPI's build fails to import: "operator torchvision::nms does not exist"), yet
 images need only the PIL image processor. So where torchvision is missing, a processor class that has a
-video slot is built without it; images and text behave exactly as in the stock class.
+video slot is built without it; images and text behave exactly as in the stock class. A family whose
+image processor exists only as a torchvision backend (Llama 4) gets its tokenizer there, for text-only
+data: a sample with an image is refused before the first step, saying why and how to get torchvision.
 """
 
 from __future__ import annotations
@@ -41,12 +43,42 @@ def load_processor(model_dir: str | Path):
             **_processor_settings(model_dir, processor_class),
         )
         processor.source_dir = model_dir  # (not saved: only __init__ arguments are)
+    elif processor_class is not None and not is_torchvision_available() and _torchvision_only(model_dir):
+        # (Llama 4: its image processor is a torchvision backend only) the text-only processor: the
+        # tokenizer, which says why images are refused (encoding.encode reads it before any step)
+        processor = AutoTokenizer.from_pretrained(model_dir)
+        processor.images_refused_because = (
+            f"{model_dir}'s image processor ({_torchvision_only(model_dir)}) exists in transformers only as a "
+            "torchvision backend and torchvision is not installed, so its images cannot be processed here; "
+            "train text-only samples, or use the CUDA container (docker/), or install the torchvision build "
+            f"that matches torch (pip install torchvision, for torch {_torch_version()})"
+        )
     elif processor_class is not None and processor_class.__name__ in _PIL_STAND_INS:
         processor = processor_class.from_pretrained(model_dir)  # (AutoProcessor gives the placeholder)
     else:
         processor = AutoProcessor.from_pretrained(model_dir)
     fix_mistral_regex(tokenizer_of(processor), model_dir)
     return processor
+
+
+def _torchvision_only(model_dir: Path) -> str | None:
+    """The folder's image processor class when transformers has it only as a torchvision backend (no
+    PIL one), else None."""
+    from transformers.models.auto.auto_mappings import IMAGE_PROCESSOR_MAPPING_NAMES
+
+    config_file = model_dir / "config.json"
+    if not config_file.is_file():
+        return None
+    backends = IMAGE_PROCESSOR_MAPPING_NAMES.get(json.loads(config_file.read_text()).get("model_type"))
+    if not isinstance(backends, dict) or "pil" in backends:
+        return None
+    return backends.get("torchvision")
+
+
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__
 
 
 # The model types whose tokenizer.json may carry the LLaMA-3 digit-grouping regex although the model was

@@ -46,12 +46,27 @@ def resolve_experts_implementation(requested: str, device: torch.device | None =
 CPU_AUTO = "grouped_mm"
 
 
-def experts_kwargs(hf_config: Any, requested: str, device: torch.device | None) -> dict[str, str]:
+def experts_kwargs(
+    hf_config: Any, requested: str, device: torch.device | None, auto_class: type | None = None
+) -> dict[str, str]:
     """``from_pretrained`` / ``from_config`` arguments: the resolved implementation for a model with
-    experts, ``{}`` for a dense one (its classes have no experts to dispatch)."""
+    experts, ``{}`` for a dense one (its classes have no experts to dispatch) and for a family whose expert
+    class has no dispatch (``auto_class`` builds a class transformers cannot set it on: Llama 4's
+    ``Llama4TextExperts`` runs its own batched matmul over all experts); an explicit choice for such a
+    family is refused."""
     from ntil_ds.model.parts import num_experts
 
     if not num_experts(hf_config):
+        return {}
+    model_class = (
+        auto_class._model_mapping.get(type(hf_config), None) if auto_class is not None else None
+    )  # (None for remote code: transformers decides)
+    if model_class is not None and not model_class._can_set_experts_implementation():
+        if requested != "auto":
+            raise ConfigError(
+                f"model.experts_implementation={requested}: {model_class.__name__}'s experts have one "
+                "implementation of their own (transformers cannot dispatch them); set model.experts_implementation=auto"
+            )
         return {}
     return {"experts_implementation": resolve_experts_implementation(requested, device)}
 

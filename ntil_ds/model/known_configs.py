@@ -197,4 +197,19 @@ KNOWN_CONFIGS: dict[str, dict[str, Any]] = {
                           "image_size": 336},
         "tie_word_embeddings": False,
     },
+    # Llama 4 Scout: 48 layers, every one MoE (16 routed experts of width 8192, 1 per token, a shared expert);
+    # 40 query heads of 128, vocabulary 202,048; a 34-layer ViT (109B total, 17B active).
+    "meta-llama/Llama-4-Scout-17B-16E-Instruct": {
+        "model_type": "llama4",
+        "text_config": {"hidden_size": 5120, "intermediate_size": 8192, "intermediate_size_mlp": 16384,
+                        "num_hidden_layers": 48, "num_attention_heads": 40, "num_key_value_heads": 8,
+                        "head_dim": 128, "num_local_experts": 16, "num_experts_per_tok": 1,
+                        "interleave_moe_layer_step": 1, "vocab_size": 202048, "attention_chunk_size": 8192,
+                        "use_qk_norm": True, "tie_word_embeddings": False},
+        "vision_config": {"hidden_size": 1408, "intermediate_size": 5632, "num_hidden_layers": 34,
+                          "num_attention_heads": 16, "image_size": 336, "patch_size": 14,
+                          "pixel_shuffle_ratio": 0.5, "projector_input_dim": 4096,
+                          "projector_output_dim": 4096, "vision_output_dim": 4096},
+        "tie_word_embeddings": False,
+    },
 }  # fmt: skip

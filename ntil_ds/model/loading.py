@@ -101,7 +101,7 @@ def load_model(
     attn = resolve_attn_implementation(cfg.attn_implementation, device)
     dtype = DTYPES[cfg.dtype]
     common = {"dtype": dtype, "attn_implementation": attn, "trust_remote_code": cfg.trust_remote_code}
-    common |= experts_kwargs(hf_config, cfg.experts_implementation, device)
+    common |= experts_kwargs(hf_config, cfg.experts_implementation, device, auto_class)
     if cfg.init == "random":
         # Built where it trains (not under ZeRO-3, whose zero.Init places the parameters itself): a 2B
         # model's init on the CPU is tens of seconds, single-threaded. That device's generator, seeded
@@ -144,7 +144,7 @@ def load_model(
         kind=kind,
         dtype=dtype,
         attn_implementation=attn,
-        experts_implementation=experts_kwargs(hf_config, cfg.experts_implementation, device).get(
+        experts_implementation=experts_kwargs(hf_config, cfg.experts_implementation, device, auto_class).get(
             "experts_implementation", ""
         ),
         zero3_config=zero3_config,

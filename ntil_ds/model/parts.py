@@ -74,6 +74,9 @@ def auto_model_class(kind: str, config: Any) -> type:
 
     classes = {"mllm": AutoModelForImageTextToText, "llm": AutoModelForCausalLM}
     auto_class = classes[model_kind(kind, config)]
+    broken = _BROKEN_MLLM_FORWARD.get(getattr(config, "model_type", None))
+    if auto_class is AutoModelForImageTextToText and broken and _installed_transformers() in broken[0]:
+        raise ConfigError(f"model.kind={kind}: {broken[1]}")
     if kind != "auto" and not _builds(auto_class, config):
         other = "llm" if kind == "mllm" else "mllm"
         fix = (
@@ -89,6 +92,24 @@ def auto_model_class(kind: str, config: Any) -> type:
     return auto_class
 
 
+# MLLM classes whose forward fails on every input in the named transformers versions, and what to do.
+_BROKEN_MLLM_FORWARD = {
+    "llama4": (
+        ("5.24.0",),
+        "transformers 5.24's Llama4ForConditionalGeneration.forward fails on every input, text or image "
+        "(AttributeError: 'MoeCausalLMOutputWithPast' object has no attribute 'image_outputs'); set "
+        "model.kind=llm to train the text model (Llama4ForCausalLM, which loads the checkpoint's "
+        "language_model weights and leaves the vision tower out)",
+    )
+}
+
+
+def _installed_transformers() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
 def _builds(auto_class: type, config: Any) -> bool:
     """Whether ``auto_class.from_config(config)`` has a model class: transformers' own mapping (which also
     holds classes registered with ``auto_class.register``), or the checkpoint's remote code."""
@@ -99,11 +120,17 @@ def _builds(auto_class: type, config: Any) -> bool:
 # ----------------------------------------------------------------------------------------------------
 # Mixture-of-experts parts. transformers 5 fuses a layer's experts into one module holding 3-D weights
 # [num_experts, out, in] (``mlp.experts.gate_up_proj`` / ``down_proj``) next to its router (``mlp.gate``,
-# a [num_experts, hidden] weight); Qwen3-VL-MoE, Qwen3.5-MoE and GLM-4.5V name them so.
-ROUTER_MARKERS = ("mlp.gate.",)
-EXPERT_MARKERS = ("mlp.experts.",)
+# a [num_experts, hidden] weight); Qwen3-VL-MoE, Qwen3.5-MoE and GLM-4.5V name them so. Llama 4 names
+# them ``feed_forward.experts`` (weights [num_experts, in, out]) and ``feed_forward.router``.
+ROUTER_MARKERS = ("mlp.gate.", "feed_forward.router.")
+EXPERT_MARKERS = ("mlp.experts.", "feed_forward.experts.")
 # The config fields the MoE families name their expert count with (text_config for MLLMs).
 _EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+# Text-model types whose fused experts compute every token (their scores zero where not routed) instead of
+# the routed ones: transformers 5.24's Llama4TextExperts, one batched matmul over all experts. For the
+# estimator's activations; ZeRO-3 gathers every expert on every rank anyway.
+EXPERTS_SEE_EVERY_TOKEN = ("llama4_text",)
 
 MoePart = Literal["router", "experts"]
 

@@ -5,7 +5,7 @@ chat templates, but nothing may be downloaded. `build_tiny_model_folder(kind, ou
 that loads like a Hub checkpoint (`AutoConfig`, `AutoProcessor` / `AutoTokenizer`) and whose config builds
 a model of a few hundred thousand parameters with random weights (`from_config`).
 
-One module per family (qwen: Qwen2, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE; llava; gemma3; internvl; smolvlm; mllama, glm4v and mistral3 with a LLaMA-3-style digit-grouping tokenizer; glm4v_moe, GLM-4.5V, on glm4v's folder; llama, a text-only Llama 3 with the grouping tokenizer); the
+One module per family (qwen: Qwen2, Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE; llava; gemma3; internvl; smolvlm; mllama, glm4v and mistral3 with a LLaMA-3-style digit-grouping tokenizer; glm4v_moe, GLM-4.5V, on glm4v's folder; llama, a text-only Llama 3 with the grouping tokenizer; llama4, Llama 4 Scout's MoE layout with the grouping tokenizer); the
 tokenizer (a byte-level BPE trained here, deterministically) is `tokenizer.py`; the families' chat
 templates are `templates/*.jinja` (package data, as Hub folders ship `chat_template.jinja`).
 """
@@ -21,6 +21,7 @@ from ntil_ds.tiny.glm4v import build_glm4v
 from ntil_ds.tiny.glm4v_moe import build_glm4v_moe
 from ntil_ds.tiny.internvl import build_internvl
 from ntil_ds.tiny.llama import build_llama
+from ntil_ds.tiny.llama4 import build_llama4
 from ntil_ds.tiny.llava import build_llava
 from ntil_ds.tiny.mistral3 import build_mistral3
 from ntil_ds.tiny.mllama import build_mllama
@@ -52,6 +53,7 @@ TINY_KINDS = (
     "qwen3_5_moe",
     "glm4v_moe",
     "llama",
+    "llama4",
 )
 
 _BUILDERS: dict[str, Callable[[Path], None]] = {
@@ -71,6 +73,7 @@ _BUILDERS: dict[str, Callable[[Path], None]] = {
     "qwen3_5_moe": build_qwen3_5_moe,
     "glm4v_moe": build_glm4v_moe,
     "llama": build_llama,
+    "llama4": build_llama4,
 }
 
 # Sizes beyond the default ("tiny", what the tests use): "small" is the smallest we measured to learn the

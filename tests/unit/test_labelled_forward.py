@@ -21,8 +21,10 @@ from tests.distributed.training_runs import write_mixed_arithmetic_data
 from tests.unit.test_packing import _text_only_data
 
 # The single-digit NTIL path: mistral3's PixtralProcessor needs torchvision (CPU torch has none) and the
-# grouped-digit families (mllama, glm4v, glm4v_moe, llama) take GroupedNTILLoss, covered in test_loss_grouped.py
-KINDS = tuple(k for k in TINY_KINDS if k not in ("mistral3", "mllama", "glm4v", "glm4v_moe", "llama"))
+# grouped-digit families (mllama, glm4v, glm4v_moe, llama, llama4) take GroupedNTILLoss, covered in test_loss_grouped.py
+KINDS = tuple(
+    k for k in TINY_KINDS if k not in ("mistral3", "mllama", "glm4v", "glm4v_moe", "llama", "llama4")
+)
 
 FIELDS = ("loss", "ce_sum", "ntil", "emd", "rel", "mag", "num_tokens", "loss_sum")
 

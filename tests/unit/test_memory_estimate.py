@@ -69,12 +69,17 @@ PUBLISHED_B = {
     "meta-llama/Llama-3.2-11B-Vision-Instruct": 10.670,
     "mistralai/Mistral-Small-3.1-24B-Instruct-2503": 24.011,
     "zai-org/GLM-4.1V-9B-Thinking": 10.293,
+    # model card: 109B total with the vision tower; the text model alone (model.kind=llm, all Llama 4 trains
+    # in transformers 5.24): our count of the shipped dimensions
+    "meta-llama/Llama-4-Scout-17B-16E-Instruct": 107.770,
 }
+# Checkpoints whose MLLM class is refused (transformers 5.24's Llama 4): counted as the text model.
+KIND = {"meta-llama/Llama-4-Scout-17B-16E-Instruct": "llm"}
 
 
 @pytest.mark.parametrize("name", sorted(KNOWN_CONFIGS))
 def test_shipped_dimensions_give_the_published_sizes(name):
-    counts, _ = count_parameters(_cfg(name))
+    counts, _ = count_parameters(_cfg(name, f"model.kind={KIND.get(name, 'auto')}"))
     assert counts.total / 1e9 == pytest.approx(PUBLISHED_B[name], abs=0.006)
 
 
@@ -375,6 +380,28 @@ def test_moe_total_and_active_parameters_against_the_real_model(tmp_path, kind):
     assert counts.active == total - _sparse_layers(text) * (experts - k) * per_expert
     assert counts.expert_block == experts * per_expert
     assert 0 < counts.active < counts.total
+
+
+def test_llama4_total_and_active_parameters_against_its_text_model(tmp_path):
+    """Llama 4 as it trains (its text model, model.kind=llm): total = the real tiny Llama4ForCausalLM's
+    numel; active = less E - k routed experts per MoE layer (``num_local_experts``, width
+    ``intermediate_size``; every layer sparse here, as in Scout)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = build_tiny_model_folder("llama4", tmp_path / "llama4")
+    text = AutoConfig.from_pretrained(folder).text_config
+    model = AutoModelForCausalLM.from_config(text)
+    total = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    h, w, experts, k = (
+        text.hidden_size,
+        text.intermediate_size,
+        text.num_local_experts,
+        text.num_experts_per_tok,
+    )
+    counts, _ = count_parameters(_cfg(folder, "model.kind=llm"))
+    assert counts.total == total
+    assert counts.active == total - len(text.moe_layers) * (experts - k) * 3 * h * w
+    assert counts.expert_block == experts * 3 * h * w
 
 
 def test_dense_models_report_no_active_count(tiny):

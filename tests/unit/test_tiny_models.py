@@ -35,7 +35,7 @@ MLLM_KINDS = (
     "glm4v",
 )
 # LLaMA-3-style tokenizers: digits in groups of 1-3 from the left (mistral3: the regex trap, as loaded)
-GROUPED_KINDS = ("mllama", "glm4v", "glm4v_moe", "mistral3", "llama")
+GROUPED_KINDS = ("mllama", "glm4v", "glm4v_moe", "mistral3", "llama", "llama4")
 
 # Each family's vision tower and projector by parameter-name prefix (transformers 5.24's module names),
 # written out here independently of ntil_ds.model.parts, which they check: (tower, projector prefixes).
