@@ -16,11 +16,6 @@ from ntil_ds.loss.grouped_terms import NumberTokenTable, grouped_number_terms
 from ntil_ds.loss.ntil import NTILLoss
 from ntil_ds.loss.number_terms import resolve_number_stage
 
-# The Triton vocabulary kernels hold the gathered columns as one vector of next_power_of_2(K) lanes and their
-# backward forms a [lanes, lanes] same-id matrix: at K = 1,110 (widths 1-3) that is 2048**2 = 4M elements,
-# over Triton's 2**20 tensor limit (and far too many registers on a GPU). Up to 1,024 columns they run.
-KERNEL_MAX_COLUMNS = 1024
-
 
 class GroupedNTILLoss(NTILLoss):
     """`NTILLoss` reading numbers through a number token table (`NumberTokenTable` or a dict width -> the
@@ -28,27 +23,12 @@ class GroupedNTILLoss(NTILLoss):
 
     `number_stage`: NTILLoss's choice; "triton" (and "auto" on CUDA where Triton works) runs the grouped
     Triton number kernels (`grouped_kernel`), "eager"/"compile" the torch stage (`grouped_terms`). The
-    vocabulary stage (`kernel`) is NTILLoss's, except that the Triton vocabulary kernels take at most
-    `KERNEL_MAX_COLUMNS` gathered columns: a table with 3-digit tokens (1,110 columns) makes kernel="auto" run
-    the torch tiles on every device (`kernel_note` says so) and kernel="triton" an error; with widths 1-2
-    (110 columns) "auto" is NTILLoss's choice.
+    vocabulary stage (`kernel`) is NTILLoss's: its Triton kernels gather up to 2,048 columns (widths 1-3 and
+    the minus sign: 1,111), the table's ids being distinct (`vocab_kernel.SAME_ID_MAX_LANES`).
     """
 
     def __init__(self, number_token_table, **kwargs) -> None:
         table = NumberTokenTable.of(number_token_table)
-        columns = len(table.column_ids) + int(bool(kwargs.get("signed_numbers")))
-        self.kernel_note = ""
-        if columns > KERNEL_MAX_COLUMNS:
-            if kwargs.get("kernel") == "triton":
-                raise ValueError(
-                    f"GroupedNTILLoss: kernel='triton' takes at most {KERNEL_MAX_COLUMNS} gathered columns, this "
-                    f"table has {columns} (widths {table.widths}); use kernel='auto' or 'torch'."
-                )
-            kwargs["kernel"] = "torch"
-            self.kernel_note = (
-                f"kernel='auto' runs the torch tiles: the Triton vocabulary kernels take at most "
-                f"{KERNEL_MAX_COLUMNS} gathered columns and this table has {columns} (widths {table.widths})."
-            )
         super().__init__(list(table.ids[1]), **kwargs)
         numbers = set(table.column_ids)
         for name in ("decimal_point_id", "minus_sign_id"):

@@ -44,6 +44,14 @@ DEFAULT_LAUNCH = {"forward": (16384, 16), "backward": (16384, 16)}
 MAX_BLOCK: int | None = None
 # Columns are handled as one padded vector of this many lanes (ten digits + minus sign fit).
 _MIN_COLUMN_LANES = 16
+# Up to this many lanes the backward adds the gradients of repeated column ids through a [lanes, lanes]
+# same-id matrix (any ids); beyond it (a grouped-digit table with 3-digit tokens: 1,110 columns, 2,048
+# lanes, whose matrix would be 4M elements, over Triton's 2**20 limit) the ids must be distinct, as every
+# loss's are (a number token table has distinct ids, the minus sign is not one of them), and each lane adds
+# its own gradient.
+SAME_ID_MAX_LANES = 1024
+# The most columns the kernels take (widths 1-3 plus the minus sign: 1,111).
+MAX_COLUMN_LANES = 2048
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -69,7 +77,10 @@ def _block(local_vocab: int, largest: int) -> int:
 
 
 def _column_lanes(num_columns: int) -> int:
-    return max(_MIN_COLUMN_LANES, triton.next_power_of_2(max(num_columns, 1)))
+    lanes = max(_MIN_COLUMN_LANES, triton.next_power_of_2(max(num_columns, 1)))
+    if lanes > MAX_COLUMN_LANES:
+        raise ValueError(f"the vocabulary kernels take at most {MAX_COLUMN_LANES} columns, got {num_columns}")
+    return lanes
 
 
 def _interpreting() -> bool:
@@ -175,6 +186,7 @@ def _backward_kernel(
     HAS_COLUMN_GRAD: tl.constexpr,
     BLOCK: tl.constexpr,
     LANES: tl.constexpr,
+    DISTINCT_IDS: tl.constexpr,  # LANES > SAME_ID_MAX_LANES: no same-id matrix (see there)
 ):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * logits_stride
@@ -222,8 +234,11 @@ def _backward_kernel(
         x = tl.load(row_ptr + local_columns, mask=is_local, other=0.0).to(tl.float32)
         grad = tl.exp(x - log_sum_exp) * grad_ce
         grad = grad - tl.where(local_columns == local_target, grad_ce, 0.0)
-        same_id = column_ids[:, None] == column_ids[None, :]
-        grad = grad + tl.sum(tl.where(same_id, grad_columns[None, :], 0.0), axis=1)
+        if DISTINCT_IDS:
+            grad = grad + grad_columns
+        else:
+            same_id = column_ids[:, None] == column_ids[None, :]
+            grad = grad + tl.sum(tl.where(same_id, grad_columns[None, :], 0.0), axis=1)
         tl.store(grad_row_ptr + local_columns, grad.to(grad_ptr.dtype.element_ty), mask=is_local)
 
 
@@ -305,12 +320,14 @@ def backward(
     ce_arg = grad_ce if grad_ce is not None else log_sum_exp
     columns_arg = grad_columns if grad_columns is not None else log_sum_exp[:, None]
     largest, warps = launch_config(logits.device, "backward")
+    lanes = _column_lanes(num_columns)
     with on_device(logits):
         _backward_kernel[(num_rows,)](
             logits, logits.stride(0), grad_logits, grad_logits.stride(0), targets, log_sum_exp,
             ce_arg, ce_arg.stride(0), columns_arg, columns_arg.stride(0), columns_arg.stride(1),
             column_ids, num_columns, vocab_start, local_vocab,
             HAS_CE_GRAD=grad_ce is not None, HAS_COLUMN_GRAD=grad_columns is not None,
-            BLOCK=_block(local_vocab, largest), LANES=_column_lanes(num_columns), num_warps=warps,
+            BLOCK=_block(local_vocab, largest), LANES=lanes, DISTINCT_IDS=lanes > SAME_ID_MAX_LANES,
+            num_warps=warps,
         )  # fmt: skip
     return grad_logits

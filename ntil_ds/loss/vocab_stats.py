@@ -331,7 +331,8 @@ def position_stats(
             `[vocab_start, vocab_start + V_local)` of the global vocabulary.
         targets: `[N]` global token ids; negative means "no label" (CE 0, no gradient).
         column_ids: `[K]` int64 global ids of the columns to return (e.g. the ten digits), on the
-            logits' device.
+            logits' device; K <= 2,048 on the Triton kernels, and past 1,024 the ids must be distinct
+            (`vocab_kernel.SAME_ID_MAX_LANES`).
         process_group: the vocabulary-parallel group, or None for the full vocabulary.
         payload: optional `[N, P]` numbers that the group's first rank sends to all ranks (only
             that rank's values are used; others may pass anything of the same shape).

@@ -279,16 +279,14 @@ def grouped_labels(table, minus, point, words, batch, length, seed):
 @pytest.mark.parametrize("max_width", [2, 3], ids=["widths 1-2", "widths 1-3"])
 def test_grouped_loss_is_bitwise_deterministic_and_within_60_launches_on_cuda(max_width):
     """GroupedNTILLoss at LLaMA-3's vocabulary, [8, 512, 128256] bf16, signed + decimal, on its default
-    stages (the grouped Triton number kernels; the Triton vocabulary kernels for widths 1-2, the torch tiles
-    for widths 1-3, whose 1,110 columns they cannot take): two calls with the same noise give the same bits,
-    the number stage is one launch of each grouped forward kernel, and one call is <= 60 GPU activities.
-    Widths 1-3 are counted ~100 on CPU at one torch tile (tests/unit/grouped_kernel_checks.py), ~11 more a
-    tile: over 60 they are an expected failure that says so, until the vocabulary kernels take 1,110 columns."""
+    stages (the Triton vocabulary kernels, at 128 lanes for widths 1-2 and 2,048 for widths 1-3, and the
+    grouped Triton number kernels): two calls with the same noise give the same bits, each of the five
+    forward and backward kernels runs once, and one call is <= 60 GPU activities (38 counted on CPU,
+    tests/unit/grouped_kernel_checks.py)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     from ntil_ds.loss import GroupedNTILLoss
-    from ntil_ds.loss.vocab_stats import _row_tiles
 
     table, minus, point, words = llama3_style_table(max_width)
     options = {
@@ -319,13 +317,10 @@ def test_grouped_loss_is_bitwise_deterministic_and_within_60_launches_on_cuda(ma
         loss_fn(leaf, labels).loss.backward()
         torch.cuda.synchronize()
     names = [event.name for event in prof.events() if event.device_type == DeviceType.CUDA]
-    for kernel in ("_position_kernel", "_sequence_kernel"):
-        assert sum(kernel in name for name in names) == 1, (kernel, names)
-    tiles = len(_row_tiles(8 * 512, LLAMA3_VOCAB, logits.device)) if loss_fn.kernel == "torch" else 0
-    print(f"{len(names)} GPU activities per forward + backward (widths 1-{max_width}, {tiles} torch tiles)")
-    if loss_fn.kernel == "torch" and len(names) > 60:
-        pytest.xfail(
-            f"{len(names)} GPU activities > 60: widths 1-3 (1,110 columns) run the torch vocabulary tiles "
-            f"({tiles} tiles here; GroupedNTILLoss.KERNEL_MAX_COLUMNS = 1024 for the Triton vocabulary kernels)"
-        )
+    assert loss_fn.kernel == "auto"
+    # vocab_kernel's _forward_kernel and _backward_kernel, grouped_kernel's three: one launch each.
+    launches = {"_position_kernel": 1, "_sequence_kernel": 1, "_forward_kernel": 1, "_backward_kernel": 2}
+    for kernel, count in launches.items():
+        assert sum(kernel in name for name in names) == count, (kernel, names)
+    print(f"{len(names)} GPU activities per forward + backward (widths 1-{max_width})")
     assert len(names) <= 60, names

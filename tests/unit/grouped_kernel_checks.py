@@ -1,6 +1,7 @@
 """The grouped loss's Triton kernels in Triton's interpreter on CPU: the grouped number stage (1,110 columns)
 against the float64 reference and the torch stage, and the vocabulary kernels with a grouped-digit loss's
-gathered columns (widths 1-2: 110 columns), on CPU (run as a script with TRITON_INTERPRET=1; tests/unit/test_loss_grouped.py runs it in a subprocess).
+gathered columns (widths 1-2: 110 columns; widths 1-3: 1,110), on CPU (run as a script with
+TRITON_INTERPRET=1; tests/unit/test_loss_grouped.py runs it in a subprocess).
 GroupedNTILLoss(kernel="triton") against kernel="torch" (itself checked against the float64 reference),
 values and gradients, and one vocabulary shard's partials; the launch count of the grouped loss. Prints a
 JSON dict check name -> {"status": "ok" or the traceback, "info": what the check returned}.
@@ -26,7 +27,8 @@ from tests.unit.test_loss_grouped import (
     grouped_batch,
 )
 
-# Widths 1-2 (110 columns): the table the vocabulary kernels take (GroupedNTILLoss.KERNEL_MAX_COLUMNS).
+# Widths 1-2 (110 columns, 128 lanes: the backward's same-id matrix) and widths 1-3 (1,110 columns, 2,048
+# lanes: distinct ids, no matrix; vocab_kernel.SAME_ID_MAX_LANES): both ways the vocabulary kernels run.
 TABLE_12 = {1: TABLE[1], 2: TABLE[2]}
 
 
@@ -34,11 +36,12 @@ def check_grouped_loss_on_the_kernels_equals_the_torch_tiles():
     from ntil_ds.loss.grouped import GroupedNTILLoss
 
     kernel_module(block=256)  # a vocabulary of 1,150: 5 blocks, the last partial
-    logits, labels = grouped_batch(2, 12, seed=11, dtype=torch.float32, table=TABLE_12)
-    for options in ({"gumbel_noise_scale": 0.0}, {"gumbel_noise_scale": 1.0, **SIGNED_DECIMAL}):
-        compare_backends(
-            lambda kernel, o=options: GroupedNTILLoss(TABLE_12, kernel=kernel, **o), logits, labels
-        )
+    for seed, table in enumerate((TABLE_12, TABLE)):
+        logits, labels = grouped_batch(2, 12, seed=11 + seed, dtype=torch.float32, table=table)
+        for options in ({"gumbel_noise_scale": 0.0}, {"gumbel_noise_scale": 1.0, **SIGNED_DECIMAL}):
+            compare_backends(
+                lambda kernel, o=options, t=table: GroupedNTILLoss(t, kernel=kernel, **o), logits, labels
+            )
 
 
 def check_one_shards_partials_with_the_tables_columns():
@@ -46,16 +49,19 @@ def check_one_shards_partials_with_the_tables_columns():
     from ntil_ds.loss.vocab_stats import reduce_rows, row_partials
 
     kernel = kernel_module(block=256)
-    logits, labels = grouped_batch(2, 8, seed=12, dtype=torch.float32, table=TABLE_12)
-    rows = logits.reshape(16, -1)[:, 400:900].contiguous()  # a middle shard: some columns local, most not
-    targets = torch.where(labels.flatten() < 0, -1, labels.flatten())
-    column_ids = GroupedNTILLoss(TABLE_12).column_ids_on(torch.device("cpu"))
-    got = reduce_rows(
-        *kernel.forward_partials(rows, targets, column_ids, 400, 3 + 110), targets, 110, None, None
-    )
-    want = reduce_rows(*row_partials(rows, targets, column_ids, 400, None), targets, 110, None, None)
-    for name, a, b in zip(("ce", "columns", "row_max"), got[:3], want[:3], strict=True):
-        torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-6, equal_nan=True, msg=name)
+    for table in (TABLE_12, TABLE):
+        logits, labels = grouped_batch(2, 8, seed=12, dtype=torch.float32, table=table)
+        rows = logits.reshape(16, -1)[:, 400:900].contiguous()  # a middle shard: some columns local, most not
+        targets = torch.where(labels.flatten() < 0, -1, labels.flatten())
+        column_ids = GroupedNTILLoss(table).column_ids_on(torch.device("cpu"))
+        width = column_ids.numel()
+        got = kernel.forward_partials(rows, targets, column_ids, 400, 3 + width)
+        want = row_partials(rows, targets, column_ids, 400, None)
+        got, want = (reduce_rows(*parts, targets, width, None, None) for parts in (got, want))
+        for name, a, b in zip(("ce", "columns", "row_max"), got[:3], want[:3], strict=True):
+            torch.testing.assert_close(
+                a, b, rtol=2e-6, atol=1e-6, equal_nan=True, msg=f"{width} columns: {name}"
+            )
 
 
 def _small_number_blocks():
@@ -135,10 +141,6 @@ def check_grouped_number_kernels_on_packed_rows():
 
 # --- launch count ---------------------------------------------------------------------------------
 
-# Widths 1-3 on the torch vocabulary tiles (one tile: ~62 aten ops), over the 60 of the Triton vocabulary
-# kernels, which take at most 1,024 columns (GroupedNTILLoss.KERNEL_MAX_COLUMNS): today's count.
-TORCH_TILES_LIMIT = 100
-
 
 def _runs_batch(table, runs_per_row: int, length: int = 16):
     """[2, length] labels of number tokens (of every width) in `runs_per_row` runs split by words."""
@@ -165,8 +167,7 @@ def check_grouped_launches_are_a_constant_of_the_table():
     """Launches of one forward + backward (noise on, as in training), counted on CPU (aten ops + Triton
     launches, number_kernel_checks.count_launches): for each table and options the same count at every
     B*T and number of runs; the grouped number stage is exactly three Triton launches (position, sequence,
-    backward) whatever the widths, and the whole loss <= 60 where the Triton vocabulary kernels take the
-    table (widths 1, 1-2). Widths 1-3 (1,110 columns) run the torch vocabulary tiles: ~100, not yet <= 60."""
+    backward) whatever the widths, two vocabulary launches, and the whole loss <= 60."""
     from ntil_ds.loss.grouped import GroupedNTILLoss
     from tests.unit.number_kernel_checks import LAUNCH_LIMIT, count_launches
 
@@ -175,10 +176,9 @@ def check_grouped_launches_are_a_constant_of_the_table():
     number_stage = {"grouped_kernel._position_kernel": 1, "grouped_kernel._sequence_kernel": 1,
                     "grouped_kernel._backward_kernel": 1}  # fmt: skip
     vocabulary = {"vocab_kernel._forward_kernel": 1, "vocab_kernel._backward_kernel": 1}
-    tables = {"widths 1": ({1: TABLE[1]}, "triton"), "widths 1-2": (TABLE_12, "triton"),
-              "widths 1-3": (TABLE, "torch")}  # fmt: skip
+    tables = {"widths 1": {1: TABLE[1]}, "widths 1-2": TABLE_12, "widths 1-3": TABLE}
     counts, failures = {}, []
-    for table_name, (table, kernel) in tables.items():
+    for table_name, table in tables.items():
         # 8 positions and 32, one run a row and six; widths 1-3 (LLaMA-3's table) also packed rows and
         # signed + decimal mode. Small: the interpreter runs every program in Python.
         cases = {"[1, 8]": (*grouped_batch(1, 8, seed=1, dtype=torch.float32, table=table), None),
@@ -189,19 +189,19 @@ def check_grouped_launches_are_a_constant_of_the_table():
                     "[3, 12] packed in [2, 24]": _packed_batch(table)}  # fmt: skip
             runs = [("", {}, {**cases, **more}), (" signed+decimal", SIGNED_DECIMAL, cases)]
         for options_name, option, batches in runs:
-            loss_fn = GroupedNTILLoss(table, kernel=kernel, number_stage="triton", **option)
+            loss_fn = GroupedNTILLoss(table, kernel="triton", number_stage="triton", **option)
             totals = set()
             for case_name, (logits, labels, unpack_index) in batches.items():
                 count = count_launches(loss_fn, logits, labels, unpack_index=unpack_index)
                 name = f"{table_name}{options_name} {case_name}"
                 counts[name] = {key: count[key] for key in ("aten", "triton", "total", "kernels")}
                 totals.add(count["total"])
-                expected = {**number_stage, **(vocabulary if kernel == "triton" else {})}
-                if count["kernels"] != expected:
-                    failures.append(f"{name}: Triton launches {count['kernels']}, expected {expected}")
-                limit = LAUNCH_LIMIT if kernel == "triton" else TORCH_TILES_LIMIT
-                if count["total"] > limit:
-                    failures.append(f"{name}: {count['total']} launches > {limit}")
+                if count["kernels"] != {**number_stage, **vocabulary}:
+                    failures.append(
+                        f"{name}: Triton launches {count['kernels']}, expected {number_stage | vocabulary}"
+                    )
+                if count["total"] > LAUNCH_LIMIT:
+                    failures.append(f"{name}: {count['total']} launches > {LAUNCH_LIMIT}")
             if len(totals) != 1:
                 failures.append(f"{table_name}{options_name}: the count depends on the batch: {totals}")
     assert not failures, "\n".join(failures)

@@ -74,12 +74,20 @@ def vocab_variants(arch: int):
             pointers.update({"logits_ptr": f"*{dtype}", "targets_ptr": "*i64", "column_ids_ptr": "*i64"})
             if direction == "backward":
                 pointers["grad_ptr"] = f"*{dtype}"
-            for flags in flag_sets if size == block else flag_sets[:1]:
-                constexprs = {**flags, "BLOCK": size, "LANES": 16}  # K = 10 or 11 columns: 16 lanes
+            # K = 10 or 11 columns: 16 lanes. A grouped-digit table's widths 1-2 (110 columns: 128 lanes, the
+            # backward's same-id matrix) and 1-3 (1,111: 2,048 lanes, distinct ids) in bf16, the training dtype.
+            variants = [(flags, 16) for flags in (flag_sets if size == block else flag_sets[:1])]
+            if size == block and dtype == "bf16":
+                column_flags = [flags for flags in flag_sets if flags.get("HAS_COLUMN_GRAD", True)]
+                variants += [(flags, lanes) for lanes in (128, 2048) for flags in column_flags]
+            for flags, lanes in variants:
+                constexprs = {**flags, "BLOCK": size, "LANES": lanes}
+                if direction == "backward":
+                    constexprs["DISTINCT_IDS"] = lanes > vocab_kernel.SAME_ID_MAX_LANES
                 variant = f"{dtype} " + " ".join(f"{key}={int(value)}" for key, value in flags.items())
                 yield (
                     f"vocab {direction}",
-                    variant,
+                    variant + (f" lanes={lanes}" if lanes != 16 else ""),
                     kernel,
                     signature(kernel, pointers, constexprs),
                     constexprs,
@@ -201,6 +209,12 @@ def test_every_kernel_compiles_for_sm80_sm90_sm100_without_spills_or_atomics(tmp
                                   "grouped position", "grouped sequence", "grouped backward")
         for arch in ARCHITECTURES
     }  # fmt: skip
+    # The vocabulary kernels at a grouped table's columns (widths 1-2 and 1-3), forward and backward.
+    assert {(row[0], row[1].split()[-1]) for row in rows if "lanes=" in row[1]} == {
+        (f"vocab {direction}", f"lanes={lanes}")
+        for direction in ("forward", "backward")
+        for lanes in (128, 2048)
+    }
     # The grouped stage at every table a tokenizer probe can give (widths 1, 1-2, 1-3): its lanes.
     assert {row[1] for row in rows if row[0] == "grouped backward"} == {
         f"fp32 widths 1-{width}" for width in (1, 2, 3)

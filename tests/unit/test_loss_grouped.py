@@ -313,15 +313,16 @@ def test_table_columns_in_width_order():
     assert table.column_ids == TABLE[1] + TABLE[2] + TABLE[3]
 
 
-def test_kernel_choice_for_tables_the_vocabulary_kernels_cannot_take():
-    """Widths 1-3 (1,110 columns): kernel="auto" runs the torch tiles and says why, "triton" is refused;
-    widths 1-2 (110 columns) keep NTILLoss's choice (the kernels are checked in the interpreter below)."""
-    loss_fn = GroupedNTILLoss(TABLE)
-    assert loss_fn.kernel == "torch" and "at most 1024 gathered columns" in loss_fn.kernel_note
-    with pytest.raises(ValueError, match="kernel='triton' takes at most 1024 gathered columns"):
-        GroupedNTILLoss(TABLE, kernel="triton")
-    narrow = GroupedNTILLoss({1: TABLE[1], 2: TABLE[2]})
-    assert (narrow.kernel, narrow.kernel_note) == ("auto", "")
+def test_every_table_keeps_the_kernel_choice_and_the_vocabulary_kernels_take_its_columns():
+    """Widths 1-3 (1,110 columns, 2,048 lanes) run the Triton vocabulary kernels as widths 1-2 do (the
+    interpreter checks below compare them with the torch tiles); past 2,048 lanes they refuse."""
+    vocab_kernel = pytest.importorskip("ntil_ds.loss.vocab_kernel")  # imports triton
+
+    for kernel in ("auto", "triton", "torch"):
+        assert GroupedNTILLoss(TABLE, kernel=kernel).kernel == kernel
+    assert vocab_kernel._column_lanes(1111) == vocab_kernel.MAX_COLUMN_LANES > vocab_kernel.SAME_ID_MAX_LANES
+    with pytest.raises(ValueError, match="at most 2048 columns, got 2049"):
+        vocab_kernel._column_lanes(2049)
 
 
 CHECKS_FILE = Path(__file__).resolve().parent / "grouped_kernel_checks.py"
