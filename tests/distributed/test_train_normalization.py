@@ -1,6 +1,7 @@
 """Loss normalization parity: 1 process with the whole batch == 2 ranks x 2 micro-batches, on ZeRO-3 and
 ZeRO-2 (full fine-tuning: every step's loss and grad norm, the exported weights; ZeRO-2 also resumed
-from its step-1 checkpoint to the same step 2 and export).
+from its step-1 checkpoint to the same step 2 and export); and the hybrid-attention and MoE families
+(Qwen3.5, Qwen3.5-MoE, GLM-4.5V) with NTIL and their aux loss, one sample a micro-batch.
 
 The trainer divides the step's summed loss by the step's global labelled-token count and undoes
 DeepSpeed's division by gradient_accumulation_steps and its averaging over data-parallel ranks. If any
@@ -145,3 +146,45 @@ def test_full_fine_tuning_on_zero2_equals_one_process_and_resumes_to_the_same_ex
     records = [json.loads(line) for line in (zero2["out"] / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["split"] == "train"] == [1, 2, 2]
     assert_same_training(resumed, zero2, initial)
+
+
+# The hybrid-attention and mixture-of-experts families with the loss they train with: NTIL (grouped for
+# GLM-4.5V, whose tokenizer groups digits), its noise off (the Gumbel draws are seeded per micro-batch
+# index and rank, so they differ between the two layouts by design), and one sample a micro-batch on both
+# sides: the micro-batches are then the same ones, so NTIL's per-micro-batch terms and the router's aux
+# loss (a product of two means over a micro-batch's tokens) must come out equal too.
+FAMILY_NTIL = {"loss.name": "ntil", "loss.gumbel_noise_scale": 0.0}
+
+
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_moe", "glm4v_moe"])
+def test_hybrid_and_moe_families_on_two_zero3_ranks_equal_one_process(tmp_path, kind):
+    """Qwen3.5 (Gated DeltaNet + full attention), Qwen3.5-MoE and GLM-4.5V (experts, aux loss at the
+    family's coefficient) on mixed text/image batches: 2 ZeRO-3 ranks == one process, every step's loss,
+    NTIL part, aux loss and grad norm, and every exported weight."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from ntil_ds.tiny import build_tiny_model_folder
+
+    folder = build_tiny_model_folder(kind, tmp_path / "model")
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(folder), dtype=torch.float32)
+    model.save_pretrained(folder)
+    initial = load_file(folder / "model.safetensors")
+    data_file = write_mixed_arithmetic_data(tmp_path / "data", n=8, image_size=56, seed=1)
+    runs = {
+        name: run_steps(tmp_path, folder, data_file, name, nproc, 1, logits, **FAMILY_NTIL)
+        for name, nproc, logits in (("single", 1, "all"), ("split", 2, "labelled"))
+    }
+    assert_same_training(runs["split"], runs["single"], initial)
+    moe = kind != "qwen3_5"
+    for step in range(1, STEPS + 1):
+        got, want = runs["split"]["metrics"][step], runs["single"]["metrics"][step]
+        assert got["ntil"] == pytest.approx(want["ntil"], rel=1e-6) and got["ntil"] > 0, step
+        assert ("aux_loss" in got) == moe, sorted(got)
+        if moe:
+            assert got["aux_loss"] == pytest.approx(want["aux_loss"], rel=1e-6) and got["aux_loss"] > 0, step
+            assert got["experts_unused"] == want["experts_unused"], step
+    assert ("ZeRO-3 leaf modules:" in runs["split"]["log"]) == moe
+    moved = sum(not torch.equal(w, initial[name]) for name, w in runs["single"]["weights"].items())
+    assert moved > len(initial) // 2  # the steps did update the weights compared
