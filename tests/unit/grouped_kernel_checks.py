@@ -112,6 +112,20 @@ def check_grouped_number_kernels_equal_the_torch_stage_in_float32():
             torch.testing.assert_close(grad, want_grad, rtol=1e-5, atol=1e-7)
 
 
+# Three samples of 12 positions packed in two rows of 24 (padding between): (row, start) of each.
+PLACEMENTS = [(0, 0), (0, 12), (1, 5)]
+
+
+def _packed(logits, labels):
+    """[3, 12] samples packed at PLACEMENTS: packed logits, packed labels, unpack_index."""
+    packed_logits, packed_labels = torch.zeros(2, 24, VOCAB), torch.full((2, 24), -100)
+    for sample, (row, start) in enumerate(PLACEMENTS):
+        packed_logits[row, start : start + 12] = logits[sample]
+        packed_labels[row, start : start + 12] = labels[sample]
+    unpack_index = torch.tensor([[row * 24 + start + i for i in range(12)] for row, start in PLACEMENTS])
+    return packed_logits, packed_labels, unpack_index
+
+
 def check_grouped_number_kernels_on_packed_rows():
     """Three samples packed in two rows (unpack_index) on the kernels equal the unpacked batch on them."""
     from ntil_ds.loss.grouped import GroupedNTILLoss
@@ -121,19 +135,13 @@ def check_grouped_number_kernels_on_packed_rows():
         TABLE, kernel="torch", number_stage="triton", gumbel_noise_scale=0.0, **SIGNED_DECIMAL
     )
     logits, labels = grouped_batch(3, 12, seed=5, dtype=torch.float32)
-    packed_logits = torch.zeros(2, 24, VOCAB)
-    packed_labels = torch.full((2, 24), -100)
-    placements = [(0, 0), (0, 12), (1, 5)]
-    for sample, (row, start) in enumerate(placements):
-        packed_logits[row, start : start + 12] = logits[sample]
-        packed_labels[row, start : start + 12] = labels[sample]
-    unpack_index = torch.tensor([[row * 24 + start + i for i in range(12)] for row, start in placements])
+    packed_logits, packed_labels, unpack_index = _packed(logits, labels)
     got, packed_grad = _run(loss_fn, packed_logits, packed_labels, "ntil", unpack_index=unpack_index)
     want, grad = _run(loss_fn, logits, labels, "ntil")
     for field in ("ntil", "emd", "rel", "mag"):
         torch.testing.assert_close(getattr(got, field), getattr(want, field), rtol=1e-6, atol=1e-7,
                                    msg=lambda message, field=field: f"packed {field}: {message}")  # fmt: skip
-    for sample, (row, start) in enumerate(placements):
+    for sample, (row, start) in enumerate(PLACEMENTS):
         torch.testing.assert_close(packed_grad[row, start : start + 12], grad[sample], rtol=1e-6, atol=1e-8,
                                    msg=lambda message, sample=sample: f"sample {sample}'s gradient: {message}")  # fmt: skip
     assert packed_grad[1, :5].abs().max() == 0 and want.rel > 0
@@ -149,18 +157,6 @@ def _runs_batch(table, runs_per_row: int, length: int = 16):
     row = [OTHERS[4] if t in gaps or t - 1 in gaps else tokens[t % len(tokens)] for t in range(length)]
     logits = torch.randn(2, length, VOCAB, generator=torch.Generator().manual_seed(runs_per_row))
     return logits, torch.tensor([row, row[::-1]])
-
-
-def _packed_batch(table):
-    """Three samples of 12 positions packed in two rows of 24 (padding between): logits, labels, unpack."""
-    logits, labels = grouped_batch(3, 12, seed=5, dtype=torch.float32, table=table)
-    packed_logits, packed_labels = torch.zeros(2, 24, VOCAB), torch.full((2, 24), -100)
-    placements = [(0, 0), (0, 12), (1, 5)]
-    for sample, (row, start) in enumerate(placements):
-        packed_logits[row, start : start + 12] = logits[sample]
-        packed_labels[row, start : start + 12] = labels[sample]
-    unpack_index = torch.tensor([[row * 24 + start + i for i in range(12)] for row, start in placements])
-    return packed_logits, packed_labels, unpack_index
 
 
 def check_grouped_launches_are_a_constant_of_the_table():
@@ -185,8 +181,11 @@ def check_grouped_launches_are_a_constant_of_the_table():
                  "[2, 16] 6 runs a row": (*_runs_batch(table, 6), None)}  # fmt: skip
         runs = [("", {}, cases)]
         if table_name == "widths 1-3":
-            more = {"[2, 16] 1 run a row": (*_runs_batch(table, 1), None),
-                    "[3, 12] packed in [2, 24]": _packed_batch(table)}  # fmt: skip
+            packed = _packed(*grouped_batch(3, 12, seed=5, dtype=torch.float32, table=table))
+            more = {
+                "[2, 16] 1 run a row": (*_runs_batch(table, 1), None),
+                "[3, 12] packed in [2, 24]": packed,
+            }
             runs = [("", {}, {**cases, **more}), (" signed+decimal", SIGNED_DECIMAL, cases)]
         for options_name, option, batches in runs:
             loss_fn = GroupedNTILLoss(table, kernel="triton", number_stage="triton", **option)
