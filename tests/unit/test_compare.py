@@ -268,18 +268,21 @@ def test_the_plan_refuses_a_test_split_that_overlaps_the_training_split(tmp_path
     larger = write_dataset("arithmetic", 40, tmp_path / "larger", seed=0, difficulty="easy")
     recipe = REPO_ROOT / "configs" / "train" / "tiny_qwen2_arithmetic.yaml"
 
-    def plan(train):
+    def plan_with(*data_overrides):
         return plan_comparison(
             recipe,
             tmp_path / "out",
             [("ce", "ce", ["loss.name=ce"])],
             [0],
             nproc=1,
-            overrides=[f"data.train_file={train}", f"tracking.uri=sqlite:///{tmp_path / 'm.db'}"],
+            overrides=[*data_overrides, f"tracking.uri=sqlite:///{tmp_path / 'm.db'}"],
             test_split=small["test"],
             task=None,
             command="compare.py",
         )
+
+    def plan(train):
+        return plan_with(f"data.train_file={train}")
 
     assert plan(small["train"]).test_split_sha256 == plan(small["train"]).test_split_sha256
     with pytest.raises(SystemExit, match="test items of .* are in the training split"):
@@ -291,21 +294,7 @@ def test_the_plan_refuses_a_test_split_that_overlaps_the_training_split(tmp_path
 
     def mixture_plan(*sources):
         mixture = ", ".join(f"{{file: {source}, weight: 1}}" for source in sources)
-        return plan_comparison(
-            recipe,
-            tmp_path / "out",
-            [("ce", "ce", ["loss.name=ce"])],
-            [0],
-            nproc=1,
-            overrides=[
-                f"data.mixture=[{mixture}]",
-                "data.train_file=",
-                f"tracking.uri=sqlite:///{tmp_path / 'm.db'}",
-            ],
-            test_split=small["test"],
-            task=None,
-            command="compare.py",
-        )
+        return plan_with(f"data.mixture=[{mixture}]", "data.train_file=")
 
     assert mixture_plan(small["train"], other["train"]).train_splits == [small["train"], other["train"]]
     with pytest.raises(SystemExit, match=f"in the training split {larger['train']}"):
