@@ -1,7 +1,7 @@
 """Loss normalization parity: 1 process with the whole batch == 2 ranks x 2 micro-batches, on ZeRO-3 and
 ZeRO-2 (full fine-tuning: every step's loss and grad norm, the exported weights; ZeRO-2 also resumed
 from its step-1 checkpoint to the same step 2 and export); and the hybrid-attention and MoE families
-(Qwen3.5, Qwen3.5-MoE, GLM-4.5V) with NTIL and their aux loss, one sample a micro-batch.
+(Qwen3.5, Qwen3.5-MoE, GLM-4.5V) with NTIL and their aux loss, two samples a micro-batch.
 
 The trainer divides the step's summed loss by the step's global labelled-token count and undoes
 DeepSpeed's division by gradient_accumulation_steps and its averaging over data-parallel ranks. If any
@@ -150,18 +150,40 @@ def test_full_fine_tuning_on_zero2_equals_one_process_and_resumes_to_the_same_ex
 
 # The hybrid-attention and mixture-of-experts families with the loss they train with: NTIL (grouped for
 # GLM-4.5V, whose tokenizer groups digits), its noise off (the Gumbel draws are seeded per micro-batch
-# index and rank, so they differ between the two layouts by design), and one sample a micro-batch on both
-# sides: the micro-batches are then the same ones, so NTIL's per-micro-batch terms and the router's aux
-# loss (a product of two means over a micro-batch's tokens) must come out equal too.
+# index and rank, so they differ between the two layouts by design), 2 samples a micro-batch. NTIL's
+# rescale factor and per-sequence means and the router's aux loss (a product of two means over a
+# micro-batch's tokens) are statistics of a micro-batch: they agree only where the micro-batches hold the
+# same samples. The sampler gives rank r of D the stream positions r, r+D, ...: 2 ranks train on (0, 2)
+# and (1, 3) where one process reading the file in order would train on (0, 1) and (2, 3). So the one
+# process reads the lines in the ranks' order (`ranks_order`): then every term must agree to float order.
+# Cross-entropy's gradient does not depend on which samples share a micro-batch: in the file's own order,
+# the aux loss's coefficient at 0, the loss, grad norm and weights still agree (Qwen3.5-MoE).
 FAMILY_NTIL = {"loss.name": "ntil", "loss.gumbel_noise_scale": 0.0}
+MICRO_BATCH, GLOBAL_BATCH, RANKS = 2, 4, 2
+
+
+def ranks_order(data_file, out_name: str):
+    """The data file with each step's lines in the order the ranks train on them: rank 0's positions of the
+    step, then rank 1's, so one process's consecutive micro-batches are the ranks' micro-batches."""
+    lines = data_file.read_text().splitlines()
+    order = [
+        step + rank + RANKS * i
+        for step in range(0, len(lines), GLOBAL_BATCH)
+        for rank in range(RANKS)
+        for i in range(GLOBAL_BATCH // RANKS)
+    ]
+    path = data_file.with_name(out_name)
+    path.write_text("\n".join(lines[i] for i in order) + "\n")
+    return path
 
 
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_moe", "glm4v_moe"])
 def test_hybrid_and_moe_families_on_two_zero3_ranks_equal_one_process(tmp_path, kind):
     """Qwen3.5 (Gated DeltaNet + full attention), Qwen3.5-MoE and GLM-4.5V (experts, aux loss at the
-    family's coefficient) on mixed text/image batches: 2 ZeRO-3 ranks == one process, every step's loss,
-    NTIL part, aux loss and grad norm, and every exported weight."""
+    family's coefficient) on mixed text/image batches, 2 samples a micro-batch: 2 ZeRO-3 ranks == one
+    process on the same micro-batches, every step's loss, NTIL part, aux loss and grad norm, and every
+    exported weight."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     from ntil_ds.tiny import build_tiny_model_folder
@@ -172,14 +194,19 @@ def test_hybrid_and_moe_families_on_two_zero3_ranks_equal_one_process(tmp_path, 
     model.save_pretrained(folder)
     initial = load_file(folder / "model.safetensors")
     data_file = write_mixed_arithmetic_data(tmp_path / "data", n=8, image_size=56, seed=1)
+    as_ranks = ranks_order(data_file, "ranks_order.jsonl")
     runs = {
-        name: run_steps(tmp_path, folder, data_file, name, nproc, 1, logits, **FAMILY_NTIL)
-        for name, nproc, logits in (("single", 1, "all"), ("split", 2, "labelled"))
+        name: run_steps(tmp_path, folder, data, name, nproc, MICRO_BATCH, logits, **options)
+        for name, nproc, data, logits, options in (
+            ("single", 1, as_ranks, "all", FAMILY_NTIL),
+            ("split", 2, data_file, "labelled", FAMILY_NTIL),
+        )
     }
     assert_same_training(runs["split"], runs["single"], initial)
     moe = kind != "qwen3_5"
     for step in range(1, STEPS + 1):
         got, want = runs["split"]["metrics"][step], runs["single"]["metrics"][step]
+        assert got["micro_batches"] == 1 and want["micro_batches"] == 2, step
         assert got["ntil"] == pytest.approx(want["ntil"], rel=1e-6) and got["ntil"] > 0, step
         assert ("aux_loss" in got) == moe, sorted(got)
         if moe:
@@ -188,3 +215,12 @@ def test_hybrid_and_moe_families_on_two_zero3_ranks_equal_one_process(tmp_path, 
     assert ("ZeRO-3 leaf modules:" in runs["split"]["log"]) == moe
     moved = sum(not torch.equal(w, initial[name]) for name, w in runs["single"]["weights"].items())
     assert moved > len(initial) // 2  # the steps did update the weights compared
+    if kind == "qwen3_5_moe":
+        # Cross-entropy without the aux loss, the file's own order on both sides: other micro-batches, the
+        # same gradient (the aux loss at the family's coefficient moves the weights by ~1e-7 here).
+        ce = {"loss.name": "ce", "model.router_aux_loss_coef": 0.0}
+        natural = {
+            name: run_steps(tmp_path, folder, data_file, f"ce_{name}", nproc, MICRO_BATCH, logits, **ce)
+            for name, nproc, logits in (("single", 1, "all"), ("split", 2, "labelled"))
+        }
+        assert_same_training(natural["split"], natural["single"], initial)
