@@ -50,7 +50,10 @@ demo: setup
 test: setup system-deps
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/python -m pytest -q --durations=15
+	# Two passes: the one-process tests (one thread each) on both cores at once, then the multi-process
+	# ones (2 ranks each already use both cores, some time kills and SLURM requeues) one at a time.
+	$(VENV)/bin/python -m pytest -q -n 2 --durations=15 tests/unit tests/gpu
+	$(VENV)/bin/python -m pytest -q --durations=15 tests/distributed tests/faults tests/slurm
 
 lint: setup
 	$(VENV)/bin/ruff check .
