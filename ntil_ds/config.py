@@ -107,6 +107,11 @@ class LossConfig:
     gumbel_noise_scale: float = 0.01
     decimal_numbers: bool = False
     signed_numbers: bool = False
+    # Ablations (docs/loss.md; off: the paper). ntil_lambda_ramp_steps: ntil_lambda rises linearly from 0 at
+    # step 0 to its value at this optimizer step. ntil_ratio: sg(CE / NTIL) per micro-batch (the paper) or
+    # per sample (each sample's NTIL rescaled to its own CE).
+    ntil_lambda_ramp_steps: int = 0
+    ntil_ratio: Literal["batch", "sample"] = "batch"
     # How the loss is computed, not what (same numbers within float rounding; docs/loss.md). kernel: the
     # vocabulary stage; auto = the fused Triton kernels for CUDA logits when triton imports, else the torch
     # tiles; torch / triton force one (triton fails without Triton).
@@ -312,6 +317,7 @@ def validate(cfg: Config) -> None:
         "optim.weight_decay": cfg.optim.weight_decay,
         "loss.ntil_lambda": cfg.loss.ntil_lambda,
         "loss.ntl_lambda": cfg.loss.ntl_lambda,
+        "loss.ntil_lambda_ramp_steps": cfg.loss.ntil_lambda_ramp_steps,
         "data.num_workers": cfg.data.num_workers,
         "data.encode_workers": cfg.data.encode_workers,
         "data.max_tokens_per_micro_batch": cfg.data.max_tokens_per_micro_batch,
@@ -319,6 +325,17 @@ def validate(cfg: Config) -> None:
     for key, value in non_negative.items():
         if value < 0:
             raise ConfigError(f"{key}={value} must be >= 0")
+    ablation = cfg.loss.ntil_lambda_ramp_steps > 0 or cfg.loss.ntil_ratio != "batch"
+    if ablation and cfg.loss.name in ("ce", "ntl"):
+        raise ConfigError(
+            f"loss.ntil_lambda_ramp_steps / loss.ntil_ratio shape NTIL's weight; loss.name={cfg.loss.name} "
+            "trains none: set loss.ntil_lambda_ramp_steps=0 loss.ntil_ratio=batch (or loss.name=ntil / emd)"
+        )
+    if cfg.loss.ntil_lambda_ramp_steps > cfg.train.max_steps:
+        raise ConfigError(
+            f"loss.ntil_lambda_ramp_steps={cfg.loss.ntil_lambda_ramp_steps} exceeds train.max_steps="
+            f"{cfg.train.max_steps}: ntil_lambda would never reach its value; lower it"
+        )
     if cfg.optim.lr <= 0:
         raise ConfigError(f"optim.lr={cfg.optim.lr} must be > 0")
     if cfg.optim.fused and cfg.optim.name != "adamw_torch":

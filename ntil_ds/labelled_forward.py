@@ -154,8 +154,10 @@ def loss_from_rows(
     row_stats: torch.Tensor,
     noise: torch.Tensor | None,
     unpack_index: torch.Tensor | None,
+    step: int | None = None,
 ) -> NTILOutput:
-    """The loss from the head module's output ``[1, R, 2 + C (+ P)]`` (see the module docstring)."""
+    """The loss from the head module's output ``[1, R, 2 + C (+ P)]`` (see the module docstring); ``step``:
+    the optimizer step, for the loss's lambda ramp."""
     stats = row_stats[0]
     num_columns = loss_fn.column_ids_on(labels.device).numel()
     num_positions = labels.numel()
@@ -171,4 +173,4 @@ def loss_from_rows(
     row_max = at_positions(stats[:, 1 + num_columns].detach(), float("inf"))
     if stats.shape[1] > 2 + num_columns:  # the payload: the noise as the group's first rank drew it
         noise = at_positions(stats[:, 2 + num_columns :].detach())
-    return loss_fn.from_position_stats(labels, ce, columns, row_max, noise, unpack_index)
+    return loss_fn.from_position_stats(labels, ce, columns, row_max, noise, unpack_index, step)

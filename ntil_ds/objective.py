@@ -57,10 +57,13 @@ class Objective:
             model = self.engine.module
             self.head, self.softcap = head_module(model), applied_softcap(model)
 
-    def loss(self, micro_batch: MicroBatch, generator: torch.Generator | None) -> NTILOutput:
-        """Forward + loss (under ZeRO-3: one gather of every parameter)."""
+    def loss(
+        self, micro_batch: MicroBatch, generator: torch.Generator | None, step: int | None = None
+    ) -> NTILOutput:
+        """Forward + loss (under ZeRO-3: one gather of every parameter). ``step``: the 0-based optimizer
+        step being taken, which the loss's lambda ramp reads (None: evaluation, the full lambda)."""
         if not self.labelled_head:
-            return self.loss_of_logits(self.logits(micro_batch), micro_batch, generator)
+            return self.loss_of_logits(self.logits(micro_batch), micro_batch, generator, step)
         labels, extra = micro_batch.loss_inputs(self.device)
         rows = micro_batch.labelled_rows.to(self.device, non_blocking=True)
         targets, noise, payload = row_inputs(
@@ -71,7 +74,7 @@ class Objective:
             model, self.head, self.loss_fn, rows, targets, payload, self.vocab_shard, self.softcap
         ):
             row_stats = self.logits(micro_batch)
-        return loss_from_rows(self.loss_fn, labels, rows, row_stats, noise, extra.get("unpack_index"))
+        return loss_from_rows(self.loss_fn, labels, rows, row_stats, noise, extra.get("unpack_index"), step)
 
     def logits(self, micro_batch: MicroBatch) -> torch.Tensor:
         """``[B, T, V_local]``: this rank's vocabulary slice of the logits."""
@@ -98,7 +101,11 @@ class Objective:
         return {} if self.router is None else router_metrics(host, labelled, tp, self.router.num_experts)
 
     def loss_of_logits(
-        self, logits: torch.Tensor, micro_batch: MicroBatch, generator: torch.Generator | None
+        self,
+        logits: torch.Tensor,
+        micro_batch: MicroBatch,
+        generator: torch.Generator | None,
+        step: int | None = None,
     ) -> NTILOutput:
         targets, extra = micro_batch.loss_inputs(self.device)
         shard = self.vocab_shard
@@ -108,6 +115,7 @@ class Objective:
             process_group=shard.process_group if shard else None,
             vocab_start=shard.vocab_start if shard else 0,
             generator=generator,
+            step=step,
             **extra,  # unpack_index: NTIL's per-sequence terms per packed sample
         )
 

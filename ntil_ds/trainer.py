@@ -272,7 +272,7 @@ class Trainer:
             last = index == len(micro_batches) - 1
             self.engine.set_accumulation_boundary(last)  # packing varies the forwards per step
             generator = gumbel_generator(self.cfg.train.seed, step, index, self.dist.dp_rank, self.device)
-            out = self.objective.loss(micro_batch, generator)
+            out = self.objective.loss(micro_batch, generator, step)  # step: the loss's lambda ramp
             self.engine.backward(self.objective.step_sum(out, micro_batch) * scale)  # + a MoE's aux term
             _add_parts(sums, out)
             self.objective.add_router_sums(sums, micro_batch)

@@ -15,17 +15,17 @@ batch order, so the per-seed difference removes the seed's own luck. For each (l
 - a two-level bootstrap (:func:`paired_bootstrap`) over seeds and, within a seed, test items, paired
   on both levels (the same seeds and the same item indices for both losses).
 
-Everything here is pure Python/numpy; the t quantile and the binomial tail are computed exactly here
-(no scipy in the project's dependencies) and tested against tabulated values.
+The t distribution and the sign test are scipy.stats' (tested against tabulated and hand-computed
+values); the two-level paired bootstrap is numpy here, scipy.stats.bootstrap resampling one level only.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
-from fractions import Fraction
 
 import numpy as np
+import scipy.stats
 
 NEAR_ZERO_RULE = (
     "relative change omitted when a paired value is <= 0 (no log-ratio) or the baseline's mean is within "
@@ -36,60 +36,34 @@ BOOTSTRAP_SEED = 0
 
 
 # ----------------------------------------------------------------------------------------------------
-# distributions, exact
+# distributions (scipy.stats)
 
 
 def t_two_sided_probability(t: float, df: int) -> float:
-    """P(|T| < t) for Student's t with an integer ``df`` >= 1: the closed form of Abramowitz & Stegun
-    26.7.3-4 (a finite sum in cos(theta), theta = atan(t / sqrt(df))), exact up to rounding."""
+    """P(|T| < t) for Student's t with an integer ``df`` >= 1 (scipy.stats.t)."""
     if df < 1 or int(df) != df:
         raise ValueError(f"degrees of freedom must be a positive integer, got {df}")
-    theta = math.atan(abs(t) / math.sqrt(df))
-    c2, s = math.cos(theta) ** 2, math.sin(theta)
-    if df % 2 == 0:  # sin(theta) * (1 + 1/2 c^2 + 1*3/(2*4) c^4 + ... up to c^(df-2))
-        term, total = 1.0, 1.0
-        for k in range(1, df // 2):
-            term *= c2 * (2 * k - 1) / (2 * k)
-            total += term
-        return s * total
-    # odd: 2/pi * (theta + sin(theta) * cos(theta) * (1 + 2/3 c^2 + 2*4/(3*5) c^4 + ... up to c^(df-3)))
-    if df == 1:
-        return 2 * theta / math.pi
-    term, total = 1.0, 1.0
-    for k in range(1, (df - 1) // 2):
-        term *= c2 * (2 * k) / (2 * k + 1)
-        total += term
-    return 2 / math.pi * (theta + s * math.cos(theta) * total)
+    return float(2 * scipy.stats.t.cdf(abs(t), df) - 1)
 
 
 def t_quantile(probability: float, df: int) -> float:
-    """The ``probability`` quantile of Student's t (0.975 -> the 95 % two-sided critical value), by
-    bisection on the exact distribution function above (monotone, so to the last bit)."""
+    """The ``probability`` quantile of Student's t (0.975 -> the 95 % two-sided critical value)."""
     if not 0 < probability < 1:
         raise ValueError(f"probability must be in (0, 1), got {probability}")
-    if probability < 0.5:
-        return -t_quantile(1 - probability, df)
-    inside = 2 * probability - 1  # P(|T| < q)
-    low, high = 0.0, 1.0
-    while t_two_sided_probability(high, df) < inside:
-        high *= 2
-    for _ in range(200):
-        middle = (low + high) / 2
-        if middle in (low, high):
-            break
-        low, high = (middle, high) if t_two_sided_probability(middle, df) < inside else (low, middle)
-    return (low + high) / 2
+    if df < 1 or int(df) != df:
+        raise ValueError(f"degrees of freedom must be a positive integer, got {df}")
+    return float(scipy.stats.t.ppf(probability, df))
 
 
 def sign_test_p(wins: int, n: int) -> float:
     """Exact two-sided sign test: the chance, if each of ``n`` paired seeds were a fair coin, of a win
-    count at least as far from n/2 as ``wins`` (2 * the smaller binomial tail, capped at 1)."""
+    count at least as far from n/2 as ``wins`` (scipy.stats.binomtest; p = 0.5 is symmetric, so this is
+    2 * the smaller binomial tail, capped at 1)."""
     if not 0 <= wins <= n:
         raise ValueError(f"{wins} wins out of {n}")
     if n == 0:
         return 1.0
-    tail = sum(Fraction(math.comb(n, k), 2**n) for k in range(min(wins, n - wins) + 1))
-    return float(min(Fraction(1), 2 * tail))
+    return float(scipy.stats.binomtest(wins, n, 0.5, alternative="two-sided").pvalue)
 
 
 def mean_interval(values: list[float], level: float = 0.95) -> tuple[float, float] | None:

@@ -61,6 +61,8 @@ def build_loss(cfg: Config, tokenizer: Any) -> NTILLoss | NTLLoss:
         minus_sign_id=minus_id,
         kernel=c.kernel,  # loss.name=ntl gets both through its inner ce loss (the recursion above)
         number_stage=c.number_stage,
+        ntil_lambda_ramp_steps=c.ntil_lambda_ramp_steps,
+        ntil_ratio=c.ntil_ratio,
     )
 
 

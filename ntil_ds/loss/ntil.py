@@ -144,6 +144,8 @@ class NTILLoss:
         max_number_digits: int = 18,
         kernel: Literal["auto", "torch", "triton"] = "auto",
         number_stage: Literal["auto", "eager", "compile", "triton"] = "auto",
+        ntil_lambda_ramp_steps: int = 0,
+        ntil_ratio: Literal["batch", "sample"] = "batch",
     ) -> None:
         ids = list(digit_token_ids)
         if len(ids) != 10 or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
@@ -176,6 +178,14 @@ class NTILLoss:
             raise ValueError(
                 f"decimal_point_id and minus_sign_id are both {minus_sign_id}: they must differ."
             )
+        if isinstance(ntil_lambda_ramp_steps, bool) or not (
+            isinstance(ntil_lambda_ramp_steps, int) and ntil_lambda_ramp_steps >= 0
+        ):
+            raise ValueError(
+                f"ntil_lambda_ramp_steps must be an integer >= 0, got {ntil_lambda_ramp_steps!r}."
+            )
+        if ntil_ratio not in ("batch", "sample"):
+            raise ValueError(f"ntil_ratio={ntil_ratio!r}: expected 'batch' or 'sample'.")
         check_kernel_choice(kernel)
         if number_stage not in NUMBER_STAGES:
             raise ValueError(
@@ -196,6 +206,8 @@ class NTILLoss:
         self.max_number_digits = int(max_number_digits)
         self.kernel = kernel
         self.number_stage = number_stage
+        self.ntil_lambda_ramp_steps = ntil_lambda_ramp_steps
+        self.ntil_ratio = ntil_ratio
         # Columns gathered per position: the ten digits, then the minus sign in signed mode.
         self._column_ids = ids + ([minus_sign_id] if self.minus_sign_id is not None else [])
         self._params = NumberParams(
@@ -275,6 +287,7 @@ class NTILLoss:
         vocab_start: int = 0,
         generator: torch.Generator | None = None,
         unpack_index: torch.Tensor | None = None,
+        step: int | None = None,
     ) -> NTILOutput:
         """Loss of one micro-batch. See the class docstring; no host sync, any B and T.
 
@@ -298,7 +311,7 @@ class NTILLoss:
         )
         if process_group is not None:
             noise = received
-        return self.from_position_stats(labels, ce, columns, row_max, noise, unpack_index)
+        return self.from_position_stats(labels, ce, columns, row_max, noise, unpack_index, step)
 
     def column_ids_on(self, device: torch.device) -> torch.Tensor:
         """The token ids whose logits stage 2 reads (the ten digits, then the minus sign in signed mode),
@@ -329,6 +342,7 @@ class NTILLoss:
         row_max: torch.Tensor,
         noise: torch.Tensor | None,
         unpack_index: torch.Tensor | None = None,
+        step: int | None = None,
     ) -> NTILOutput:
         """The loss from stage 1's per-position results over ``[B, T]`` labels (``[B*T]`` ce and row max,
         ``[B*T, C]`` columns, the noise as stage 1 passed it on): the number stage and the combination."""
@@ -349,8 +363,16 @@ class NTILLoss:
         emd, rel, mag = parts.mean(dim=0).unbind()  # means over the sequences
 
         if self.ntil_lambda > 0:
-            rescale = (ce_mean / (ntil + _RESCALE_EPS)).detach()
-            loss = ce_mean + self.ntil_lambda * rescale * ntil
+            weight = self.lambda_at(step)
+            if self.ntil_ratio == "sample":
+                # Each sample's NTIL rescaled to its own summed CE, over the batch's tokens: the value stays
+                # (1 + lambda) * ce_mean and no sample's gradient depends on the others of its micro-batch.
+                ce_per_sample = _per_sample_sums(ce.reshape(labels.shape), unpack_index)
+                rescale = (ce_per_sample / (ntil_per_sequence + _RESCALE_EPS)).detach()
+                loss = ce_mean + weight * (rescale * ntil_per_sequence).sum() / num_tokens.clamp(min=1)
+            else:
+                rescale = (ce_mean / (ntil + _RESCALE_EPS)).detach()
+                loss = ce_mean + weight * rescale * ntil
         else:
             loss = ce_mean
         return NTILOutput(
@@ -364,6 +386,14 @@ class NTILLoss:
             num_tokens=num_tokens,
             loss_sum=loss * num_tokens,
         )
+
+    def lambda_at(self, step: int | None) -> float:
+        """The NTIL weight at optimizer step ``step`` (0-based): ``ntil_lambda * min(1, step / ramp_steps)``
+        with a ramp, else ``ntil_lambda``; ``None`` (evaluation, a direct call) is the ramp's end."""
+        ramp = self.ntil_lambda_ramp_steps
+        if ramp == 0 or step is None or step >= ramp:
+            return self.ntil_lambda
+        return self.ntil_lambda * step / ramp
 
     def number_stage_for(self, columns: torch.Tensor) -> str:
         """What runs stage 2 on these columns: "triton", "eager" or "compile" (see the class docstring)."""
@@ -387,3 +417,13 @@ class NTILLoss:
         return torch_number_terms(
             self._params, run, labels, columns, row_max, noise, unpack_index, digit_ids, place_values
         )
+
+
+def _per_sample_sums(values: torch.Tensor, unpack_index: torch.Tensor | None) -> torch.Tensor:
+    """``[S]``: per sequence (a row, or a packed sample of ``unpack_index [S, L]``), the sum of the
+    ``[B, T]`` per-position values (0 at unlabelled positions)."""
+    if unpack_index is None:
+        return values.sum(dim=1)
+    flat = values.reshape(-1)
+    inside = unpack_index >= 0
+    return torch.where(inside, flat[unpack_index.clamp(min=0)], flat.new_zeros(())).sum(dim=1)

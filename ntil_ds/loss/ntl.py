@@ -95,8 +95,9 @@ class NTLLoss:
         vocab_start: int = 0,
         generator: torch.Generator | None = None,
         unpack_index: torch.Tensor | None = None,
+        step: int | None = None,
     ) -> NTILOutput:
-        """Like `NTILLoss.__call__`; `unpack_index` (packed samples) goes to the NTIL parts only: the NTL
+        """Like `NTILLoss.__call__` (``step`` is unused: ntl has no lambda ramp, the config refuses one); `unpack_index` (packed samples) goes to the NTIL parts only: the NTL
         term is a sum over digit positions, the same however samples are packed."""
         if process_group is not None or vocab_start != 0:
             raise ValueError(

@@ -35,8 +35,10 @@ def reference_ntil_loss(
     digit_exp: float = 1.2,
     gumbel_tau: float = 0.1,
     ignore_index: int = -100,
+    ntil_ratio: str = "batch",
 ) -> dict[str, torch.Tensor]:
-    """Returns loss, ntil, emd, rel, mag, ce_mean for aligned `logits[B, T, V]`, `labels[B, T]`."""
+    """Returns loss, ntil, emd, rel, mag, ce_mean for aligned `logits[B, T, V]`, `labels[B, T]`.
+    ``ntil_ratio="sample"``: each sequence's NTIL rescaled by its own summed CE (docs/loss.md)."""
     batch, _, vocab = logits.shape
     ce_mean = F.cross_entropy(logits.reshape(-1, vocab), labels.reshape(-1), ignore_index=ignore_index)
     if not bool((labels != ignore_index).any()):
@@ -72,8 +74,16 @@ def reference_ntil_loss(
         rels.append(torch.stack(rel_terms).mean() if rel_terms else zero)
         mags.append(torch.stack(mag_terms).mean() if mag_terms else zero)
     emd, rel, mag = torch.stack(emds), torch.stack(rels), torch.stack(mags)
-    ntil = (digit_alpha * emd + abs_alpha * rel + mag_alpha * mag).mean()
-    loss = ce_mean + ntil_lambda * (ce_mean / (ntil + 1e-10)).detach() * ntil
+    per_sequence = digit_alpha * emd + abs_alpha * rel + mag_alpha * mag
+    ntil = per_sequence.mean()
+    if ntil_ratio == "sample":
+        total = 0.0
+        for b in range(batch):
+            ce_sum_b = F.cross_entropy(logits[b], labels[b], ignore_index=ignore_index, reduction="sum")
+            total = total + (ce_sum_b / (per_sequence[b] + 1e-10)).detach() * per_sequence[b]
+        loss = ce_mean + ntil_lambda * total / max(int((labels != ignore_index).sum()), 1)
+    else:
+        loss = ce_mean + ntil_lambda * (ce_mean / (ntil + 1e-10)).detach() * ntil
     return {
         "loss": loss,
         "ntil": ntil,
