@@ -12,7 +12,11 @@ micro-batches' (logged as ``train/aux_loss``, without the coefficient); ``train/
 loss alone, comparable with a dense model's.
 
 The load: per MoE layer, the share of the step's top-k assignments (unpadded tokens, all micro-batches
-and ranks) each expert got; logged as the smallest and largest share over all layers and experts
+and ranks) each expert got, as the router itself chose them: where the family's router returns its
+chosen experts (transformers' top-k routers: ``(logits, weights, indices)``), a forward hook keeps those
+indices, so GLM-4.5V's choice (sigmoid of the logits plus the trained ``e_score_correction_bias``, top-k
+within the best groups) is counted as made, not re-derived from the raw logits; a router that returns no
+indices (Llama 4's: scores and logits) is counted from the top-k of its logits (its own choice); logged as the smallest and largest share over all layers and experts
 (``1 / num_experts`` each when balanced) and the number of (layer, expert) pairs that got no token, so
 a collapsing router shows. Everything stays on the device until the step's one read.
 
@@ -42,6 +46,8 @@ class RouterTerms:
     has_aux: bool = True  # False: the family's forward computes no aux loss (then coef is 0)
     last_aux: torch.Tensor | None = field(default=None, repr=False)
     last_counts: torch.Tensor | None = field(default=None, repr=False)  # [MoE layers, experts]
+    # the routers' chosen experts, appended by forward hooks (None: the family's router returns none)
+    chosen: list[torch.Tensor] | None = field(default=None, repr=False)
 
     # the forward is asked for the router logits (and so computes its aux loss)
     forward_kwargs: ClassVar[dict[str, bool]] = {"output_router_logits": True}
@@ -55,7 +61,10 @@ class RouterTerms:
                 "for them (output_router_logits=True)"
             )
         self.last_aux = aux
-        self.last_counts = expert_counts(router_logits, self.top_k, self.num_experts, attention_mask)
+        chosen = None
+        if self.chosen and len(self.chosen) >= len(router_logits):
+            chosen = tuple(self.chosen[-len(router_logits) :])  # this forward's, one per MoE layer
+        self.last_counts = expert_counts(router_logits, self.top_k, self.num_experts, attention_mask, chosen)
 
     def objective_sum(self, loss_sum: torch.Tensor, num_targets: int) -> torch.Tensor:
         """The last forward's summed loss plus its aux term, both over its labelled tokens (the trainer
@@ -85,7 +94,13 @@ def router_terms_for(model: torch.nn.Module, coef: float | None) -> RouterTerms 
                 "router load-balancing loss in this transformers (its modeling code has no "
                 "load_balancing_loss_func); remove model.router_aux_loss_coef (the expert load is still logged)"
             )
-        return RouterTerms(coef=0.0, num_experts=count, top_k=int(text.num_experts_per_tok), has_aux=False)
+        return RouterTerms(
+            coef=0.0,
+            num_experts=count,
+            top_k=int(text.num_experts_per_tok),
+            has_aux=False,
+            chosen=record_chosen_experts(model),
+        )
     own = getattr(text, "router_aux_loss_coef", None)
     if coef is None and own is None:
         raise ValueError(
@@ -96,7 +111,38 @@ def router_terms_for(model: torch.nn.Module, coef: float | None) -> RouterTerms 
         coef=float(own if coef is None else coef),
         num_experts=count,
         top_k=int(text.num_experts_per_tok),
+        chosen=record_chosen_experts(model),
     )
+
+
+def record_chosen_experts(model: torch.nn.Module) -> list[torch.Tensor] | None:
+    """A list that forward hooks on the model's routers fill with each forward's chosen experts
+    (``[tokens, top_k]`` per MoE layer, in layer order), or None when its routers return no indices.
+
+    The routers are the modules transformers records ``router_logits`` from (the model's
+    ``_can_record_outputs``); a router's output whose last element is an integer tensor is its choice
+    (transformers' top-k routers end ``return router_logits, weights, indices``)."""
+    router_classes = set()
+    for module in model.modules():
+        recorder = (getattr(module, "_can_record_outputs", None) or {}).get("router_logits")
+        if recorder is not None and getattr(recorder, "target_class", None) is not None:
+            router_classes.add(recorder.target_class)
+    routers = [m for m in model.modules() if type(m) in router_classes]
+    if not routers:
+        return None
+    chosen: list[torch.Tensor] = []
+
+    def keep(module, inputs, output) -> None:
+        last = output[-1] if isinstance(output, tuple) else None
+        if isinstance(last, torch.Tensor) and not last.is_floating_point():
+            chosen.append(last.detach())  # (a router returning no indices appends nothing)
+
+    for router in routers:
+        router.register_forward_hook(keep)
+    # each forward starts empty (an evaluation forward records nothing; a checkpointed layer's recompute
+    # in the backward appends after the forward was recorded)
+    model.register_forward_pre_hook(lambda module, inputs: chosen.clear())
+    return chosen
 
 
 def _base(model: torch.nn.Module) -> torch.nn.Module:
@@ -115,13 +161,21 @@ def computes_aux_loss(model: torch.nn.Module) -> bool:
 
 
 def expert_counts(
-    router_logits: tuple[torch.Tensor, ...], top_k: int, experts: int, attention_mask: torch.Tensor | None
+    router_logits: tuple[torch.Tensor, ...],
+    top_k: int,
+    experts: int,
+    attention_mask: torch.Tensor | None,
+    chosen_by_router: tuple[torch.Tensor, ...] | None = None,
 ) -> torch.Tensor:
-    """``[layers, experts]``: how many top-k assignments of the unpadded tokens each expert got (the
-    routers' own choice: top-k of the logits is top-k of their softmax)."""
+    """``[layers, experts]``: how many top-k assignments of the unpadded tokens each expert got:
+    ``chosen_by_router`` (each layer's ``[tokens, top_k]`` as the router chose), else the top-k of the
+    logits (the choice of a softmax or plain sigmoid router)."""
     counts = []
-    for layer in router_logits:
-        chosen = layer.detach().topk(top_k, dim=-1).indices  # [tokens, top_k]
+    for index, layer in enumerate(router_logits):
+        if chosen_by_router is not None:
+            chosen = chosen_by_router[index].reshape(-1, top_k)
+        else:
+            chosen = layer.detach().topk(top_k, dim=-1).indices  # [tokens, top_k]
         weight = torch.ones(chosen.shape[0], dtype=torch.float64, device=chosen.device)
         if attention_mask is not None:
             weight = attention_mask.reshape(-1).to(chosen.device, torch.float64)

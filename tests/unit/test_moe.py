@@ -191,3 +191,52 @@ def test_expert_load_counts_the_unpadded_top_k_picks_and_reports_shares():
         "experts_unused": 1.0,
     }
     assert router_metrics({"loss_sum": 1.0}, 4.0, 1, 4) == {}
+
+
+def _glm_routing(logits, bias, groups, top_groups, top_k):
+    """GLM-4.5V's routing written out in float64: sigmoid(logits) + correction bias, the best
+    `top_groups` groups by the sum of their two best scores, then the top-k experts within them."""
+    scores = logits.double().sigmoid() + bias.double()
+    tokens, experts = scores.shape
+    per_group = scores.view(tokens, groups, experts // groups)
+    best_groups = per_group.topk(2, dim=-1).values.sum(-1).topk(top_groups, dim=-1).indices
+    allowed = torch.zeros(tokens, groups, dtype=torch.bool).scatter_(1, best_groups, True)
+    allowed = allowed.repeat_interleave(experts // groups, dim=1)
+    return scores.masked_fill(~allowed, float("-inf")).topk(top_k, dim=-1).indices
+
+
+def test_glm_expert_load_counts_the_routing_the_biased_grouped_router_performed(tmp_path):
+    """GLM-4.5V routes on sigmoid(logits) + e_score_correction_bias within groups: the expert load counts
+    those choices (kept from the router's own forward), not the raw logits' top-k."""
+    from ntil_ds.moe import expert_counts, router_terms_for
+
+    folder = build_tiny_model_folder("glm4v_moe", tmp_path / "glm")
+    config = AutoConfig.from_pretrained(folder)
+    config.text_config.n_group, config.text_config.topk_group = 2, 1  # 2 groups of 2 experts, 1 taken
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(config).eval()
+    routers = [m for m in model.modules() if hasattr(m, "e_score_correction_bias")]
+    bias = torch.tensor([0.0, -0.9, 0.35, 0.3])  # pulls the choice away from the raw logits' order
+    for router in routers:
+        router.e_score_correction_bias.copy_(bias)
+    terms = router_terms_for(model, None)
+    batch = _text_batch(folder, tmp_path)
+    inputs = batch.model_inputs(torch.device("cpu"), torch.float32)
+    with torch.no_grad():
+        output = model(**inputs, use_cache=False, **terms.forward_kwargs)
+    terms.record(output, inputs["attention_mask"])
+
+    mask = inputs["attention_mask"].reshape(-1).double()
+    expected = torch.stack(
+        [
+            torch.nn.functional.one_hot(_glm_routing(layer, bias, 2, 1, 2), 4)
+            .sum(1)
+            .double()
+            .mul(mask[:, None])
+            .sum(0)
+            for layer in output.router_logits
+        ]
+    )
+    raw = expert_counts(output.router_logits, 2, 4, inputs["attention_mask"])
+    assert not torch.equal(raw, expected), "the bias must change the routing for this test to mean anything"
+    assert torch.equal(terms.last_counts, expected), (terms.last_counts, expected)
