@@ -22,6 +22,10 @@ exit code is 1 when any run failed. The work is done by ntil_ds.comparison.
 synthetic dataset under `--out` and point the recipe at them (what the small recipes need on a fresh
 clone). The default test split is `test.jsonl` next to `data.train_file`.
 
+`--lr-grid 1.5e-4,3e-4,6e-4 --select-seed 100` first trains each loss at every rate on the selection seed,
+scores it on the validation split (data.eval_file, never the test split) and runs the paired seeds at the
+rate with the best validation score; results.json records the choice (lr_selection).
+
 `--merge GRID [GRID ...] --out OUT` reads grids run apart as one (a grid extended later with more
 seeds, other losses run beside it on the same test split, compared by content hash): their runs and
 curves in one results.json, table.md and plots under OUT, nothing trained again (ntil_ds.comparison.merge).
@@ -34,6 +38,7 @@ import sys
 from pathlib import Path
 
 from ntil_ds.comparison.grid import Comparison, plan_comparison, prepare_inputs
+from ntil_ds.comparison.lr_select import parse_lr_grid
 from ntil_ds.comparison.merge import merge_comparisons
 from ntil_ds.comparison.results import parse_loss_specs, parse_seeds
 from ntil_ds.config import ConfigError
@@ -65,6 +70,14 @@ def main(argv: list[str] | None = None) -> int:
         default=200,
         help="test items of the shuffled-input check (each export shown other items' images; image "
         "tasks only; 0 turns it off)",
+    )
+    parser.add_argument(
+        "--lr-grid",
+        help="choose each loss's optim.lr first: these rates, on --select-seed, scored on the validation "
+        "split (data.eval_file, never test); e.g. 1.5e-4,3e-4,6e-4",
+    )
+    parser.add_argument(
+        "--select-seed", type=int, help="train.seed of the lr selection runs (not in --seeds)"
     )
     parser.add_argument(
         "overrides", nargs="*", help="recipe overrides for every run, e.g. train.max_steps=50"
@@ -100,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
             task=args.task,
             command=" ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
             shuffled_n=args.shuffled_n,
+            lr_grid=parse_lr_grid(args.lr_grid),
+            select_seed=args.select_seed,
         )
         report = Comparison(plan).run()
     except ConfigError as e:

@@ -28,6 +28,7 @@ from ntil_ds.comparison.controls import (
     shuffled_chance,
     write_shuffled_split,
 )
+from ntil_ds.comparison.lr_select import check_selection, pick_lr, selection_label
 from ntil_ds.comparison.paired import EVAL_FILE, paired_markdown, paired_metrics, paired_report
 from ntil_ds.comparison.results import (
     RunResult,
@@ -89,6 +90,12 @@ class ComparisonPlan:
     experiment: str
     name: str
     command: str  # as the user typed it, for results.json
+    # The lr chosen per loss on validation first (comparison.lr_select): the grid, the selection seed and
+    # the validation split (data.eval_file) with its content hash; empty grid: every loss at the recipe's lr.
+    lr_grid: list[float] = field(default_factory=list)
+    select_seed: int | None = None
+    val_split: Path | None = None
+    val_split_sha256: str = ""
 
     @property
     def baseline(self) -> str:
@@ -99,6 +106,9 @@ class ComparisonPlan:
 
     def run_dir(self, label: str, seed: int) -> Path:
         return self.out / "runs" / f"{slug(label)}-seed{seed}"
+
+    def select_dir(self, name: str) -> Path:
+        return self.out / "runs" / "select" / f"{slug(name)}-seed{self.select_seed}"
 
 
 def plan_comparison(
@@ -113,9 +123,13 @@ def plan_comparison(
     task: str | None,
     command: str,
     shuffled_n: int = 200,
+    lr_grid: list[float] | None = None,
+    select_seed: int | None = None,
 ) -> ComparisonPlan:
     """Check the recipe once (a bad recipe or override fails here, not in every job) and fix the plan."""
     cfg = load_config(recipe, overrides)
+    lr_grid = lr_grid or []
+    check_selection(lr_grid, select_seed, seeds)
     trains = [Path(cfg.data.train_file)] if cfg.data.train_file else [Path(s.file) for s in cfg.data.mixture]
     test = Path(test_split or trains[0].with_name("test.jsonl"))
     if not test.exists():
@@ -127,6 +141,19 @@ def plan_comparison(
     present = [train for train in trains if train.exists()]  # a missing one fails in the first job
     if present:
         refuse_overlap(test, present)
+    val, val_hash = None, ""
+    if lr_grid:  # chosen on validation, never on test: a validation split that is the test split is refused
+        val = Path(cfg.data.eval_file) if cfg.data.eval_file else None
+        if val is None or not val.exists():
+            raise SystemExit(
+                f"--lr-grid chooses each loss's lr on the validation split, data.eval_file, which is "
+                f"{'not set' if val is None else f'{val}: not found'}; set data.eval_file=VAL.jsonl"
+            )
+        val_hash = split_hash(val)
+        if val_hash == split_hash(test):
+            raise SystemExit(
+                f"data.eval_file {val} holds the test split's items: the lr would be chosen on test"
+            )
     return ComparisonPlan(
         recipe=recipe,
         out=out,
@@ -149,6 +176,10 @@ def plan_comparison(
         experiment=cfg.tracking.experiment,
         name=f"compare-{recipe.stem}-{time.strftime('%Y%m%d-%H%M%S')}",
         command=redact_uri(command),
+        lr_grid=lr_grid,
+        select_seed=select_seed,
+        val_split=val,
+        val_split_sha256=val_hash,
     )
 
 
@@ -158,6 +189,8 @@ class Comparison:
     runs: list[RunResult] = field(default_factory=list)
     started: float = field(default_factory=time.perf_counter)
     controls: dict | None = None
+    selection_runs: list[RunResult] = field(default_factory=list)
+    lr_selection: dict | None = None  # results.json's record of the choice (select_lrs)
 
     def prepare_controls(self) -> dict | None:
         """The constants scored on the test split, and the shuffled split with its chance level (written
@@ -199,13 +232,19 @@ class Comparison:
         grid = f"{len(plan.specs)} losses x {len(plan.seeds)} seeds on {plan.task}"
         print(f"comparison {plan.name}: {grid}; MLflow {plan.uri}", flush=True)
         self.controls = self.prepare_controls()
+        picked = self.select_lrs(mlflow_runs) if plan.lr_grid else {}
         report = {}
         for seed in plan.seeds:
             for label, loss, loss_overrides in plan.specs:
                 run = RunResult(label=label, loss=loss, seed=seed, output_dir=str(plan.run_dir(label, seed)))
                 self.runs.append(run)
                 print(f"\n=== [{len(self.runs)}/{total}] {label} seed {seed} -> {run.output_dir}", flush=True)
-                self.run_one(run, loss_overrides)
+                if plan.lr_grid and picked[label] is None:
+                    run.status, run.stage = "failed", "lr_selection"
+                    run.error = f"no lr of {plan.lr_grid} gave a validation score on seed {plan.select_seed}"
+                else:
+                    lr = [f"optim.lr={picked[label]!r}"] if plan.lr_grid else []
+                    self.run_one(run, [*loss_overrides, *lr])
                 mlflow_runs.adopt(run, plan.run_name(label, seed))
                 shown = ", ".join(
                     f"{m} {run.metrics[m]:.4g}" for m in plan.metrics if isinstance(run.metrics.get(m), float)
@@ -221,8 +260,44 @@ class Comparison:
         )
         return report
 
-    def run_one(self, run: RunResult, loss_overrides: list[str]) -> None:
-        """Train one job and score its export; a failure is recorded in ``run`` (the grid goes on)."""
+    def select_lrs(self, mlflow_runs) -> dict[str, float | None]:
+        """Each loss at every lr of the grid on the selection seed, scored on the validation split; the
+        pick per loss (None: no lr gave a score). Recorded in ``self.lr_selection`` for results.json."""
+        plan, metric = self.plan, self.plan.metrics[0]
+        record = {
+            "lr_grid": plan.lr_grid,
+            "seed": plan.select_seed,
+            "metric": metric,
+            "split": str(plan.val_split),
+            "split_sha256": plan.val_split_sha256,
+            "losses": {},
+        }
+        picked = {}
+        for label, loss, loss_overrides in plan.specs:
+            scores = {}
+            for lr in plan.lr_grid:
+                name = selection_label(label, lr)
+                run = RunResult(
+                    label=name, loss=loss, seed=plan.select_seed, output_dir=str(plan.select_dir(name))
+                )
+                self.selection_runs.append(run)
+                print(f"\n=== lr selection: {name} seed {plan.select_seed} -> {run.output_dir}", flush=True)
+                self.run_one(run, [*loss_overrides, f"optim.lr={lr!r}"], score_split=plan.val_split)
+                mlflow_runs.adopt(run, plan.run_name(name, plan.select_seed), split="val")
+                scores[lr] = run.metrics.get(metric) if run.status == "ok" else None
+            picked[label] = pick_lr(scores, metric)
+            record["losses"][label] = {
+                "picked": picked[label],
+                "validation": [{"lr": lr, metric: scores[lr]} for lr in plan.lr_grid],
+                "runs": [asdict(r) for r in self.selection_runs if r.label.startswith(f"{label}@")],
+            }
+            print(f"=== lr selection: {label} -> lr {picked[label]} (validation {metric})", flush=True)
+            self.lr_selection = record
+        return picked
+
+    def run_one(self, run: RunResult, loss_overrides: list[str], score_split: Path | None = None) -> None:
+        """Train one job and score its export on the test split (``score_split``: the validation split of
+        an lr selection run, without the shuffled check); a failure is recorded in ``run``."""
         plan = self.plan
         run_dir = Path(run.output_dir)
         overrides = [
@@ -256,15 +331,16 @@ class Comparison:
             return
         started = time.perf_counter()
         try:
-            report = score_exported_model(run_dir / "export", plan.test_split, plan.task, batch_size=32)
-            write_report(report, run_dir / EVAL_FILE)
+            split = score_split or plan.test_split
+            report = score_exported_model(run_dir / "export", split, plan.task, batch_size=32)
+            write_report(report, run_dir / ("eval_val.json" if score_split else EVAL_FILE))
         except Exception as e:  # one bad run must not end the comparison
             run.status, run.stage = "failed", "evaluate"
             run.error = "".join(traceback.format_exception_only(type(e), e)).strip()
             return
         run.metrics = report["metrics"]
         run.status = "ok"
-        shuffled = (self.controls or {}).get("shuffled")
+        shuffled = None if score_split else (self.controls or {}).get("shuffled")
         if shuffled:  # the same export on the shuffled split: does it read its images?
             try:
                 report = score_exported_model(
@@ -292,6 +368,7 @@ class Comparison:
             "seeds": plan.seeds,
             "nproc": plan.nproc,
             "overrides": plan.base_overrides,
+            "lr_selection": self.lr_selection,  # None: every loss at the recipe's lr
             "complete": len(self.runs) == len(plan.specs) * len(plan.seeds),
             "mlflow": {"uri": plan.uri, "experiment": plan.experiment, "parent_run_id": parent_run_id},
             "wall_s": time.perf_counter() - self.started,
@@ -342,6 +419,7 @@ def write_outputs(
         "runs": [asdict(r) for r in runs],
         "failed": [f"{r.label} seed {r.seed}" for r in runs if r.status != "ok"],
     }
+    out.mkdir(parents=True, exist_ok=True)  # no run may have written there (all failed before training)
     (out / "results.json").write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
     table = "\n".join(
         [

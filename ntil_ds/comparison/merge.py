@@ -64,7 +64,10 @@ def merge_comparisons(grids: list[Path], out: Path) -> dict:
     baseline = next((label for label in labels if losses.get(label) == "ce"), labels[0])
     seeds = sorted({run.seed for run in runs})
     sources = [
-        {key: report.get(key) for key in ("name", "recipe", "command", "overrides", "nproc", "wall_s")}
+        {
+            key: report.get(key)
+            for key in ("name", "recipe", "command", "overrides", "nproc", "wall_s", "lr_selection")
+        }
         | {"path": str(grid)}
         for grid, report in zip(grids, reports, strict=True)
     ]

@@ -24,9 +24,10 @@ class ComparisonRuns:
         for key, value in params.items():
             self.client.log_param(self.parent, key, value[:6000])
 
-    def adopt(self, run: Any, run_name: str) -> None:
+    def adopt(self, run: Any, run_name: str, split: str = "test") -> None:
         """Make the training job's run (``run``: a comparison RunResult) a child of the comparison (or
-        record one for a job that never created its run), and log its test metrics into it."""
+        record one for a job that never created its run), and log its scores into it as ``split``/...
+        (``val`` for an lr selection run, scored on validation)."""
         found = self.client.search_runs(
             [self.experiment_id], filter_string=f"attributes.run_name = '{run_name}'", max_results=1
         )
@@ -42,10 +43,10 @@ class ComparisonRuns:
         self.client.set_tag(child, "ntil_ds.comparison.status", run.status)
         if run.error:
             self.client.set_tag(child, "ntil_ds.comparison.error", run.error[-4000:])
-        for split, scores in (("test", run.metrics), ("test_shuffled", getattr(run, "shuffled", {}))):
+        for prefix, scores in ((split, run.metrics), (f"{split}_shuffled", getattr(run, "shuffled", {}))):
             for name, value in scores.items():
                 if isinstance(value, (int, float)) and math.isfinite(value):
-                    self.client.log_metric(child, metric_key(f"{split}/{name}"), float(value))
+                    self.client.log_metric(child, metric_key(f"{prefix}/{name}"), float(value))
 
     def finish(
         self, summary: dict, artifacts: list[Path], any_failed: bool, extra_metrics: dict | None = None
