@@ -2,7 +2,8 @@
 
 The source's samples (JSONL: its lines) are cut into contiguous index ranges ``[start, stop)``, a few
 per process (``PARTS_PER_PROCESS``: a slow process leaves its last ranges to the others). Every process
-claims the next unclaimed range (``part-K.claim``, created with ``O_EXCL``), encodes it with the same
+claims the next unclaimed range (``part-K.claim``, holding its pid: written to a temporary file first, then
+hard-linked into place, so a claim is never seen empty or half written), encodes it with the same
 ``checked_samples`` as a serial build into its own part files, and marks it done (``part-K.done``,
 renamed into place last). The builder (the main rank, holding the cache's exclusive lock for the whole
 build) joins the parts in range order into the ``CacheWriter`` and commits atomically as before: the
@@ -15,7 +16,10 @@ collective: a long build would pass a collective's timeout. Other ranks help onl
 key on the same host whose builder is alive and holds the lock; then they wait on the lock as before.
 A process that fails (a bad line with ``on_bad_sample=error``) writes ``error.json``; every process
 checks it about once a second and raises the same error, so all ranks end with it, none hangs. The
-builder re-encodes a range whose claimant died.
+builder re-encodes a range whose claimant died: no such process, a zombie (killed, e.g. by the OOM killer,
+and not yet reaped: ``os.kill(pid, 0)`` still succeeds on it; ``_alive`` reads its state in ``/proc``),
+or a claim with no pid in it (left by an older build's claimant killed between creating and writing it).
+The builder also reaps its own pool workers while it waits; a helper stops when the builder is dead.
 """
 
 from __future__ import annotations
@@ -155,6 +159,19 @@ def _write_json(path: Path, value) -> None:
 
 
 def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs. A pid <= 0 is none (``os.kill(0, 0)`` signals this process's group:
+    it would always succeed); a zombie (dead, its parent has not waited for it yet) or a dying process
+    (state Z or X in ``/proc/<pid>/stat``) is dead, though ``os.kill`` still finds it. Without a
+    readable ``/proc`` (not Linux), the ``os.kill`` check alone."""
+    if pid <= 0:
+        return False
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        pass  # gone (the kill check says so too), or no /proc
+    else:
+        # "pid (comm) state ...": comm may hold spaces and parentheses, the state follows the last ")"
+        return stat.rpartition(")")[2].split()[0] not in ("Z", "X")
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -222,15 +239,29 @@ class PartedBuild:
                 self.encode(k, on_lines)
 
     def _claim(self, k: int) -> bool:
+        # The pid goes into a file of this process's own first, then that is linked to the claim's name
+        # (atomic; FileExistsError when another process claimed the range first): a claim file is never
+        # empty while its claimant lives. (O_EXCL, then a write, left an empty claim when the claimant was
+        # killed in between; read as pid 0 it looked alive forever and the builder waited forever.)
+        tmp = self.folder / f".claiming-{k:05d}-{os.getpid()}-{uuid.uuid4().hex[:8]}"  # no ".claim" suffix
         try:
-            fd = os.open(self.folder / f"part-{k:05d}.claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            tmp.write_text(str(os.getpid()))
+            os.link(tmp, self.folder / f"part-{k:05d}.claim")
         except FileExistsError:
             return False
         except FileNotFoundError:  # the folder is gone: the build ended
             raise Aborted from None
-        with os.fdopen(fd, "w") as file:
-            file.write(str(os.getpid()))
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
         return True
+
+    def _claimant(self, k: int) -> int:
+        """The pid in range ``k``'s claim; 0 (no process: dead) when it holds none."""
+        try:
+            return int((self.folder / f"part-{k:05d}.claim").read_text())
+        except ValueError:  # empty: an older build's claimant killed between creating and writing it
+            return 0
 
     def encode(self, k: int, on_lines: Callable[[int], None] | None = None) -> None:
         start, stop = self.ranges[k]
@@ -309,7 +340,7 @@ class PartedBuild:
             try:
                 self.work(bar.update)
                 counted |= {k for k in range(len(self.ranges)) if self._done(k)}
-                self._wait(bar, counted)
+                self._wait(bar, counted, workers)
             except Exception as error:
                 self._record(error)  # the helpers stop with it
                 raise
@@ -326,16 +357,21 @@ class PartedBuild:
     def _done(self, k: int) -> bool:
         return (self.folder / f"part-{k:05d}.done").exists()
 
-    def _wait(self, bar, counted: set[int]) -> None:
+    def _wait(self, bar, counted: set[int], workers: list) -> None:
         while len(counted) < len(self.ranges):
             self.check()
+            for process in workers:
+                # is_alive() reaps a pool worker that ended (killed: a zombie until its parent waits for
+                # it). _alive sees a zombie as dead already; this also covers a system without /proc.
+                process.is_alive()
             for k in range(len(self.ranges)):
                 if k in counted:
                     continue
                 if self._done(k):
                     counted.add(k)
                     bar.update(self.ranges[k][1] - self.ranges[k][0])
-                elif not _alive(int((self.folder / f"part-{k:05d}.claim").read_text() or 0)):
+                elif not _alive(self._claimant(k)) and not self._done(k):  # (done, then it ended: kept)
+                    # (only the builder reads claims, and only it takes a dead claimant's over)
                     (self.folder / f"part-{k:05d}.claim").write_text(str(os.getpid()))
                     self.encode(k)  # its claimant died (or was killed): encoded here instead
             time.sleep(POLL_S)

@@ -10,6 +10,10 @@ import os
 import pickle
 import re
 import shutil
+import signal
+import subprocess
+import sys
+import threading
 
 import numpy as np
 import pytest
@@ -438,6 +442,98 @@ def test_a_pool_build_is_the_serial_build_byte_for_byte(tmp_path, processors, fo
         p.name for p in (tmp_path / "s").iterdir()
     )
     _assert_same_samples(pooled, ConversationDataset(path, processors["qwen2_vl"], 128, on_bad_sample="skip"))
+
+
+LINUX_PROC = pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="a zombie is told by /proc")
+CLAIM_AND_DIE = """
+import json, os, pathlib, signal, sys
+from ntil_ds.data.parallel_build import PartedBuild
+folder = pathlib.Path(sys.argv[1])
+ticket = json.loads((folder / "ticket.json").read_text())
+assert PartedBuild(folder, ticket, None, ticket["names"])._claim(int(sys.argv[2]))
+os.kill(os.getpid(), signal.SIGKILL)  # killed (OOM, SIGKILL) before encoding its range
+"""
+
+
+def _zombie(pid):
+    os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)  # dead, and not reaped: a zombie
+    os.kill(pid, 0)  # which os.kill still finds
+
+
+@LINUX_PROC
+def test_alive_is_false_for_a_zombie_and_for_pid_0(tmp_path):
+    from ntil_ds.data.parallel_build import _alive
+
+    sleep = tmp_path / "a) Z (b"  # the name in /proc/<pid>/stat's "(comm)": parentheses, a state letter
+    sleep.symlink_to(shutil.which("sleep"))
+    child = subprocess.Popen([str(sleep), "60"])
+    try:
+        assert _alive(child.pid) and _alive(os.getpid())
+        child.kill()
+        _zombie(child.pid)
+        assert not _alive(child.pid)
+        assert not _alive(0) and not _alive(-1)  # os.kill(0, 0) signals this process group: succeeds
+    finally:
+        child.kill()
+        child.wait()
+
+
+@pytest.mark.parametrize("claimant", [pytest.param("killed", marks=LINUX_PROC), "empty claim"])
+def test_the_builder_encodes_the_range_of_a_dead_claimant(tmp_path, processors, claimant):
+    """A claimant killed mid-build (OOM, SIGKILL) is a zombie until its parent waits for it, and os.kill
+    still finds it; a claim with no pid in it (its claimant killed between creating and writing it) read
+    as pid 0, which os.kill finds too (the process group). The builder must take either as dead, encode
+    that range itself, and commit the serial build's cache byte for byte, not wait forever: the build
+    runs in a thread, bounded."""
+    from ntil_ds.data.parallel_build import parts_folder
+
+    path = _write(tmp_path / "train.jsonl", _spread_rows(80))
+    serial = CachedConversationDataset(path, processors["qwen2"], 128, "skip", cache_dir=tmp_path / "s",
+                                       encode_workers=1)  # fmt: skip
+    parts = parts_folder(tmp_path / "c", slot_name(path, processors["qwen2"], 128, "skip"))
+    children, result = [], []
+
+    def dead_claimant():  # the ticket is out; the builder has not claimed a range yet
+        if claimant == "empty claim":
+            (parts / "part-00003.claim").write_text("")
+            return
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}  # this ntil_ds
+        children.append(subprocess.Popen([sys.executable, "-c", CLAIM_AND_DIE, str(parts), "3"], env=env))
+        _zombie(children[0].pid)  # a child of this process, which waits for it only after the build
+        assert (parts / "part-00003.claim").read_text() == str(children[0].pid)
+
+    def build():  # a second rank that never comes: the builder (the main rank) encodes every range
+        try:
+            dataset = CachedConversationDataset(
+                path,
+                processors["qwen2"],
+                128,
+                "skip",
+                cache_dir=tmp_path / "c",
+                ranks=2,
+                on_locked=dead_claimant,
+            )
+            result.append(dataset)
+        except BaseException as error:
+            result.append(error)
+
+    thread = threading.Thread(target=build, daemon=True)
+    thread.start()
+    thread.join(timeout=60)
+    try:
+        if thread.is_alive():  # stop the builder (it reads error.json), then fail
+            (parts / "error.json").write_text(json.dumps({"kind": "other", "message": "timeout", "pid": 0}))
+            thread.join(timeout=30)
+            pytest.fail("the builder waits for a dead claimant")
+    finally:
+        for child in children:  # none left behind, a zombie neither
+            child.kill()
+            assert child.wait() == -signal.SIGKILL
+    (built,) = result
+    assert not isinstance(built, BaseException), built
+    assert built.cache_status == "built" and built.encoded_ranges == (8, 8)  # range 3 too
+    assert _folder_bytes(built.cache.folder) == _folder_bytes(serial.cache.folder)
+    assert not parts.exists()
 
 
 def _rank(rank, store, folder, files, cache_dir, results):
