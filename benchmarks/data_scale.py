@@ -63,6 +63,7 @@ def rank_main(rank: int, mode: str, data: Path, model: Path, cache_dir: Path, st
 
     from ntil_ds.data import load_processor
     from ntil_ds.data.cached_dataset import load_dataset
+    from ntil_ds.dist import broadcast_from_main
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
                             timeout=timedelta(hours=2))  # fmt: skip
@@ -71,7 +72,7 @@ def rank_main(rank: int, mode: str, data: Path, model: Path, cache_dir: Path, st
     before = rss_mib()
     started = time.perf_counter()
     dataset = load_dataset(data, processor, 256, "error", cache=mode != "today", cache_dir=cache_dir,
-                           is_main=rank == 0, barrier=dist.barrier, ranks=2 if mode == "new" else 1)  # fmt: skip
+                           is_main=rank == 0, share=broadcast_from_main, ranks=2 if mode == "new" else 1)  # fmt: skip
     seconds = time.perf_counter() - started
     lengths = (
         dataset.lengths()

@@ -43,7 +43,7 @@ from ntil_ds.dist import (
     DistInfo,
     all_reduce_host_sums,
     all_reduce_sums,
-    barrier,
+    broadcast_from_main,
     leave_process_group,
     read_to_host,
 )
@@ -334,7 +334,7 @@ class Trainer:
         d = self.cfg.data  # encoded once into the cache by the main rank, mapped by all (data/cache.py)
         data = load_weighted([(path, 1.0)] if path else [(m.file, m.weight) for m in mixture], self.processor,
                              d.max_seq_len, d.on_bad_sample, cache=d.cache, cache_dir=d.cache_dir,
-                             output_dir=self.output_dir, is_main=self.dist.is_main, barrier=barrier,
+                             output_dir=self.output_dir, is_main=self.dist.is_main, share=broadcast_from_main,
                              ranks=self.dist.local_world_size, encode_workers=d.encode_workers)  # fmt: skip
         if self.dist.is_main:
             log.info("data: %s", data.report.summary())

@@ -9,9 +9,10 @@ loader workers, instead of a copy of Python objects in each. A sample is a slice
 A cache folder (``<root>/<data file stem>-<slot>/``, one per data file, processor, ``max_seq_len`` and
 ``on_bad_sample``) holds ``manifest.json`` and one ``<name>.bin`` per array (see ``ARRAYS``). The
 manifest records the key the arrays were built for: the data file's content (sha256 of its bytes,
-read in chunks: a size and a modification time can stay the same while a digit changes), the
-processor's files, ``max_seq_len``, the on-bad-sample rule, ``ENCODING_VERSION`` and the versions of
-the libraries that tokenize. A cache whose key differs, or with a file missing or of the wrong size,
+read in chunks: a size and a modification time can stay the same while a digit changes) and its
+path (`data_identity`), the processor as loaded (its class, modality and serialised form: `processor_digest`),
+``max_seq_len``, the on-bad-sample rule, ``ENCODING_VERSION`` and the versions of the libraries that
+tokenize. A cache whose key differs, or with a file missing or of the wrong size,
 or an unreadable manifest, is rebuilt, never used; the log says which it was (built / reused /
 rebuilt because ...). Image files are not in the key (hashing every image would cost what the cache
 saves): they are read when a sample is, and a changed image size is caught there by the check that
@@ -61,8 +62,6 @@ ARRAYS = {
 }
 TEXT_ARRAYS = {"text": "|u1", "text_offsets": "<i8", "images": "|u1", "images_offsets": "<i8"}
 _CHUNK = 1 << 20
-# Processor folder files that never change how text is tokenized (weights): left out of its digest.
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".h5", ".msgpack")
 
 
 def file_digest(path: Path) -> tuple[str, int]:
@@ -92,36 +91,43 @@ def processor_source(processor) -> str:
 
 
 def processor_digest(processor) -> str:
-    """sha256 of the processor's files (every file of its folder but weights) and its chat template.
-
-    A processor not loaded from a folder is hashed from what ``save_pretrained`` writes for it."""
+    """sha256 of the processor as it is loaded, not of its folder: its class and modality (Llama 4 loads
+    from the same files as a tokenizer without torchvision and as an image processor with it; a cache of
+    one fails the other), its chat templates, and every file its ``save_pretrained`` writes. Those are
+    written from memory (tokenizer.json from the tokenizer's backend), so an in-memory change such as
+    ``fix_mistral_regex``'s digit split is in the digest although no file changed; and nothing else of
+    the folder is read (a Hub clone's ``.git/lfs`` holds the weights). Milliseconds for the tiny
+    processors, a fraction of a second for a 150k-token vocabulary; the main rank computes it
+    (``load_dataset``)."""
     import tempfile
 
-    from ntil_ds.data.processor import tokenizer_of
+    from ntil_ds.data.processor import is_multimodal, tokenizer_of
 
     digest = hashlib.sha256()
+    kind = type(processor)
+    digest.update(f"{kind.__module__}.{kind.__qualname__}\0multimodal={is_multimodal(processor)}\0".encode())
     digest.update(json.dumps(getattr(processor, "chat_template", None) or "").encode())
     digest.update(json.dumps(tokenizer_of(processor).chat_template or "").encode())
-    source = Path(processor_source(processor))
-    with contextlib.ExitStack() as stack:
-        if not source.is_dir():
-            source = Path(stack.enter_context(tempfile.TemporaryDirectory()))
-            processor.save_pretrained(source)
-        for file in sorted(
-            p for p in source.rglob("*") if p.is_file() and not p.name.endswith(_WEIGHT_SUFFIXES)
-        ):
-            digest.update(str(file.relative_to(source)).encode() + b"\0")
+    with tempfile.TemporaryDirectory() as folder:
+        processor.save_pretrained(folder)
+        for file in sorted(p for p in Path(folder).rglob("*") if p.is_file()):
+            digest.update(str(file.relative_to(folder)).encode() + b"\0")
             update_with_file(digest, file)
     return digest.hexdigest()
 
 
-def cache_key(data_digest: str, processor, max_seq_len: int, on_bad_sample: str) -> dict:
-    """What a cache must have been built from to be used; compared field by field (the log names the
-    fields that differ)."""
+def cache_key(source, processor, max_seq_len: int, on_bad_sample: str) -> tuple[dict, int]:
+    """What a cache must have been built from to be used (compared field by field: the log names the
+    fields that differ), and the source's line count. It reads every byte of the data (its sha256), so
+    with several ranks the main rank computes it and shares it (``load_dataset``). The path is the
+    resolved one, as in the folder's name (`slot_name`): one file spelt two ways is one cache, not two
+    jobs rebuilding each other's."""
     import tokenizers
     import transformers
 
-    return {
+    data_digest, lines = source.digest()
+    key = {
+        "data_path": data_identity(source.path),
         "encoding_version": ENCODING_VERSION,
         "data_sha256": data_digest,
         "processor_sha256": processor_digest(processor),
@@ -130,6 +136,7 @@ def cache_key(data_digest: str, processor, max_seq_len: int, on_bad_sample: str)
         "transformers": transformers.__version__,
         "tokenizers": tokenizers.__version__,
     }
+    return key, lines
 
 
 def cache_root(data_path: Path, cache_dir: str | Path | None, output_dir: str | Path | None) -> Path:
@@ -158,10 +165,18 @@ def cache_root(data_path: Path, cache_dir: str | Path | None, output_dir: str | 
     )
 
 
+def data_identity(data_path: str | Path) -> str:
+    """The data file as the cache knows it: its folder resolved (``a/../b``, a relative path, a symlinked
+    folder are one file), its own name not (a symlink to the file from another folder is other data: its
+    image paths are relative to that folder)."""
+    path = Path(data_path)
+    return str(path.absolute().parent.resolve() / path.name)
+
+
 def slot_name(data_path: Path, processor, max_seq_len: int, on_bad_sample: str) -> str:
     """The cache folder's name: one per data file, processor, max_seq_len and on_bad_sample, so a change
     of content in any of them rebuilds that one folder (and the log can say what changed)."""
-    ident = json.dumps([str(data_path.resolve()), processor_source(processor), max_seq_len, on_bad_sample])
+    ident = json.dumps([data_identity(data_path), processor_source(processor), max_seq_len, on_bad_sample])
     return f"{data_path.stem}-{hashlib.sha256(ident.encode()).hexdigest()[:16]}"
 
 
@@ -238,15 +253,40 @@ def _inconsistency(arrays: CacheArrays, manifest: dict) -> str:
     return ""
 
 
-@contextlib.contextmanager
-def locked(root: Path, slot: str, exclusive: bool) -> Iterator[None]:
-    """flock on ``<root>/<slot>.lock``: exclusive for a build, shared for a check-and-map."""
-    with open(root / f"{slot}.lock", "a+b") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+class SlotLock:
+    """The flock on ``<root>/<slot>.lock``: exclusive for a build, shared for a check-and-map. One open
+    file per holder (flocks of two open files conflict, in one process too); released on `release`, on
+    leaving the ``with``, or when the process ends (a killed builder frees it)."""
+
+    def __init__(self, root: Path, slot: str) -> None:
+        self.file = open(root / f"{slot}.lock", "a+b")  # noqa: SIM115 (closed by __exit__)
+
+    def take(self, exclusive: bool, wait: bool = True) -> bool:
+        """Take the lock (a shared one turns into the exclusive one); False when ``wait=False`` and
+        another process holds it in a conflicting mode."""
+        mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
+        try:
+            fcntl.flock(self.file, mode if wait else mode | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        return True
+
+    def release(self) -> None:
+        fcntl.flock(self.file, fcntl.LOCK_UN)
+
+    @contextlib.contextmanager
+    def held(self, exclusive: bool) -> Iterator[None]:
+        self.take(exclusive)
         try:
             yield
         finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+            self.release()
+
+    def __enter__(self) -> SlotLock:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.file.close()
 
 
 class CacheWriter:

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -29,10 +30,10 @@ from ntil_ds.data.cache import (
     TEXT_ARRAYS,
     CacheArrays,
     CacheWriter,
+    SlotLock,
     cache_key,
     cache_root,
     check,
-    locked,
     remove_leftovers,
     slot_name,
 )
@@ -49,6 +50,8 @@ from ntil_ds.data.sources import DataSource, open_source
 from ntil_ds.data.tables import image_from_text
 
 log = logging.getLogger(__name__)
+# How often a rank waiting for another's build looks whether it can help, map or build itself.
+WAIT_FOR_BUILDER_S = 0.2
 
 
 class CachedConversationDataset(torch.utils.data.Dataset):
@@ -58,7 +61,9 @@ class CachedConversationDataset(torch.utils.data.Dataset):
 
     A first build is split over `ranks` processes (the node's ranks; the others are `helper`s, which
     help a build in progress before they check) or, with one rank, over a pool of `encode_workers`
-    processes it starts (0: `parallel_build.pool_size`'s choice); ntil_ds/data/parallel_build.py."""
+    processes it starts (0: `parallel_build.pool_size`'s choice); ntil_ds/data/parallel_build.py.
+    `identity`: `cache.cache_key`'s (key, line count) as another process computed it for this path and
+    processor (the main rank, for the others), so the data is not hashed again here."""
 
     def __init__(
         self,
@@ -74,57 +79,66 @@ class CachedConversationDataset(torch.utils.data.Dataset):
         ranks: int = 1,
         encode_workers: int = 0,
         helper: bool = False,
+        identity: tuple[dict, int] | None = None,
     ):
         check_settings(max_seq_len, on_bad_sample)
         self.source = open_source(path)  # JSONL, Parquet or save_to_disk (ntil_ds/data/sources.py)
         self.path, self.processor, self.max_seq_len = self.source.path, processor, max_seq_len
         self.multimodal = is_multimodal(processor)
-        digest, line_count = self.source.digest()  # every file's content: the key's data_sha256
-        key = {"data_path": str(self.path), **cache_key(digest, processor, max_seq_len, on_bad_sample)}
+        # (key, line count): the main rank's when given (load_dataset), else read here (every byte)
+        key, line_count = identity or cache_key(self.source, processor, max_seq_len, on_bad_sample)
         root = cache_root(self.path, cache_dir, output_dir)
         slot = slot_name(self.path, processor, max_seq_len, on_bad_sample)
         folder = root / slot
         encoder = RangeEncoder(self.source, processor, max_seq_len, on_bad_sample, self.multimodal)
         names = ARRAYS | (TEXT_ARRAYS if self.multimodal else {})
-        helped = PartedBuild.find(root, slot, key, encoder) if helper else None
-        if helped is not None:
-            with contextlib.suppress(Aborted):  # the builder ended: this rank finds out below
-                helped.work()
-        # A reader first, the main rank too: a valid cache needs no exclusive lock. The main rank must not
-        # take it for a cache that checks: another rank may still be waiting for its shared lock on the same
-        # slot from the dataset before (data.eval_file = data.train_file), and would wait on it forever
-        # while the main rank waits for it in the barrier.
-        with locked(root, slot, exclusive=False):
-            arrays, _ = check(folder, key)
-        self.cache_status, build = "reused", None
-        if arrays is None and helped is not None:
-            with contextlib.suppress(Aborted):  # killed: this rank builds; failed: its error, here too
-                helped.check()
-        if arrays is None:
-            with locked(root, slot, exclusive=True):  # one builder; the others wait here, then reuse
-                arrays, why = check(folder, key)
+        self.cache_status, build, pool = "reused", None, 1
+        with SlotLock(root, slot) as lock:
+            helped, arrays, leading = (None, None, False)
+            if helper:
+                helped, arrays, leading = _help_or_lead(lock, root, slot, folder, key, encoder)
+            if arrays is None and not leading:
+                # A reader first, the main rank too: a valid cache needs no exclusive lock. The main rank
+                # must not take it for a cache that checks: another rank may still be waiting for its
+                # shared lock on the same slot from the dataset before (data.eval_file = data.train_file),
+                # and would wait on it forever while the main rank waits for it in the collective.
+                with lock.held(exclusive=False):
+                    arrays, _ = check(folder, key)
+                if arrays is None and helped is not None:
+                    with contextlib.suppress(
+                        Aborted
+                    ):  # killed: this rank builds; failed: its error, here too
+                        helped.check()
                 if arrays is None:
-                    self.cache_status = "built" if why == "missing" else f"rebuilt because {why}"
-                    remove_leftovers(folder)
-                    pool = 1 if ranks > 1 else pool_size(encode_workers, line_count)
-                    if max(ranks, pool) > 1:  # the ticket is out before the other ranks pass the barrier
-                        build = PartedBuild.start(
-                            root, slot, key, line_count, max(ranks, pool), encoder, names
-                        )
-                if on_locked is not None:
-                    on_locked()
-                if arrays is None:
-                    try:
-                        self._build(folder, key, encoder, names, line_count, show_progress, build, pool)
-                    except Exception as error:
-                        if build is not None:
-                            build.fail(error)  # the helping ranks raise it too
-                        raise
-                    if build is not None:
-                        build.close()
+                    lock.take(exclusive=True)  # one builder; the others wait, then reuse
+                    leading = True
+            if leading:
+                try:
                     arrays, why = check(folder, key)
                     if arrays is None:
-                        raise RuntimeError(f"{folder}: the cache just written does not check ({why})")
+                        self.cache_status = "built" if why == "missing" else f"rebuilt because {why}"
+                        remove_leftovers(folder)
+                        pool = 1 if ranks > 1 else pool_size(encode_workers, line_count)
+                        if max(ranks, pool) > 1:  # the ticket is out before the other ranks are let go
+                            build = PartedBuild.start(
+                                root, slot, key, line_count, max(ranks, pool), encoder, names
+                            )
+                    if on_locked is not None:
+                        on_locked()
+                    if arrays is None:
+                        try:
+                            self._build(folder, key, encoder, names, line_count, show_progress, build, pool)
+                        except Exception as error:
+                            if build is not None:
+                                build.fail(error)  # the helping ranks raise it too
+                            raise
+                        if build is not None:
+                            build.close()
+                        arrays, why = check(folder, key)
+                        if arrays is None:
+                            raise RuntimeError(f"{folder}: the cache just written does not check ({why})")
+                finally:
+                    lock.release()
         # (ranges this process encoded, ranges of the build) where a build was shared, else None
         parted = helped or build
         self.encoded_ranges = (len(parted.mine), len(parted.ranges)) if parted and parted.mine else None
@@ -195,6 +209,33 @@ class CachedConversationDataset(torch.utils.data.Dataset):
         return self.cache[name][start:end].tobytes().decode("utf-8")
 
 
+def _help_or_lead(lock: SlotLock, root: Path, slot: str, folder: Path, key: dict, encoder: RangeEncoder
+                  ) -> tuple[PartedBuild | None, CacheArrays | None, bool]:  # fmt: skip
+    """What a rank other than the main one does first: help this host's build of the cache, or map the
+    cache once it checks, or, when no process holds its lock and it does not check (a node-local
+    ``cache_dir`` on a node other than the main rank's), take the exclusive lock and build it, the
+    node's other ranks helping, as on the main rank's node: each node's cache is then built in parallel,
+    at the same time as the others'. It never blocks on the lock while a build may start, or it would
+    not help it and the node would encode serially while the rest of the job waits in a collective.
+    Returns (the build it helped, the cache when it checks, True when it holds the exclusive lock)."""
+    while True:
+        helped = PartedBuild.find(root, slot, key, encoder)
+        if helped is not None:
+            with contextlib.suppress(Aborted):  # the builder ended: the caller finds out how
+                helped.work()
+            return helped, None, False
+        if lock.take(exclusive=False, wait=False):
+            try:
+                arrays, _ = check(folder, key)
+            finally:
+                lock.release()
+            if arrays is not None:
+                return None, arrays, False
+            if lock.take(exclusive=True, wait=False):
+                return None, None, True
+        time.sleep(WAIT_FOR_BUILDER_S)
+
+
 class LazyConversations(Sequence):
     """The kept samples' conversations, each read again from its line when asked for (images checked)."""
 
@@ -225,24 +266,29 @@ def load_dataset(
     cache_dir: str | Path | None = None,
     output_dir: str | Path | None = None,
     is_main: bool = True,
-    barrier: Callable[[], None] | None = None,
+    share: Callable[[Any], Any] | None = None,
     ranks: int = 1,
     encode_workers: int = 0,
 ) -> AnyConversationDataset:
     """The dataset of one data file on this rank; progress on the main rank only.
 
     `cache=False`: every rank reads and encodes the file (`ConversationDataset`, as before the cache).
-    Otherwise, with several ranks (`barrier`: a collective every rank calls once), the main rank takes
-    the cache's build lock first and only then lets the others past the barrier: they wait on that lock,
-    not in a collective (whose timeout a long first build would pass), then map what it wrote. Where the
-    cache folder is on each node's own disk, the first rank of each other node to get its lock builds it.
-    A first build is split over the node's `ranks` (each encodes ranges of lines, the main rank joins
-    them), or with one rank over `encode_workers` processes (ntil_ds/data/parallel_build.py).
+    Otherwise, with several ranks (`share`: a collective every rank calls once, returning the main
+    rank's argument on every rank: `dist.broadcast_from_main`), the main rank computes the cache's key
+    (the sha256 of every byte of the data: once, not once per rank) and takes the cache's build lock,
+    and only then lets the others past the collective with the key: they wait on that lock, not in a
+    collective (whose timeout a long first build would pass), then map what it wrote. A first build is
+    split over the node's `ranks` (each encodes ranges of lines, the main rank joins them), or with one
+    rank over `encode_workers` processes (ntil_ds/data/parallel_build.py). Where the cache folder is on
+    each node's own disk, the first rank of each other node to get its lock builds it the same way, with
+    its node's ranks, at the same time as the main rank's node.
     """
     if not cache:
         return ConversationDataset(path, processor, max_seq_len, on_bad_sample, show_progress=is_main)
 
-    def open_cache(show: bool, on_locked=None, helper: bool = False) -> CachedConversationDataset:
+    def open_cache(
+        show: bool, on_locked=None, helper: bool = False, identity=None
+    ) -> CachedConversationDataset:
         return CachedConversationDataset(
             path,
             processor,
@@ -255,21 +301,25 @@ def load_dataset(
             ranks=ranks,
             encode_workers=encode_workers,
             helper=helper,
+            identity=identity,
         )
 
-    if barrier is None:
+    if share is None:
         return open_cache(is_main)
     if not is_main:
-        barrier()  # past it, the main rank holds the lock and its build's ticket is out (or it has failed:
-        return open_cache(False, helper=True)  # then this rank finds out itself)
+        # past it, the main rank holds the lock and its build's ticket is out; None: it failed before
+        # (a missing file), and this rank finds out itself
+        return open_cache(False, helper=True, identity=share(None))
+    identity: list = [None]  # the main rank's (key, line count), once computed
     released = []
 
     def release() -> None:
         if not released:
             released.append(True)
-            barrier()
+            share(identity[0])
 
     try:
-        return open_cache(True, on_locked=release)
+        identity[0] = cache_key(open_source(path), processor, max_seq_len, on_bad_sample)
+        return open_cache(True, on_locked=release, identity=identity[0])
     finally:
-        release()  # a failure before the lock was taken must not leave the others in the barrier
+        release()  # a failure before the lock was taken must not leave the others in the collective

@@ -11,7 +11,7 @@ arrays, the skip counts (in order of first occurrence) and the first skip messag
 those of a serial build (tests/unit/test_data_cache.py).
 
 Everything is coordinated through files in ``<cache root>/.<slot>.tmp-parts/`` (``ticket.json``: the
-build's key and ranges, written before the builder lets the other ranks past the barrier), never in a
+build's key and ranges, written before the builder lets the other ranks past the collective), never in a
 collective: a long build would pass a collective's timeout. Other ranks help only a build of the same
 key on the same host whose builder is alive and holds the lock; then they wait on the lock as before.
 A process that fails (a bad line with ``on_bad_sample=error``) writes ``error.json``; every process

@@ -406,18 +406,34 @@ class NamespaceSlurmCluster(LocalSlurmCluster):
             self._connect(node, FABRIC_INTERFACE, "fabric")
         self.root.mkdir(parents=True, exist_ok=True)
         (self.root / "hosts").write_text(self.hosts_file())
+        for member in (CONTROLLER, *self.nodes):
+            (self.root / "local" / member).mkdir(parents=True, exist_ok=True)
+        self.scratch.mkdir(exist_ok=True)
 
     def set_link(self, node: str, interface: str, up: bool) -> None:
         """Bring one of a node's links up or down (down: as if its cable were pulled)."""
         self._ip("-n", self.netns(node), "link", "set", interface, "up" if up else "down")
 
+    @property
+    def scratch(self) -> Path:
+        """One path, a different folder on each node (``<root>/local/<node>`` bind-mounted on it): a node's
+        own disk, as /scratch or /local on a cluster, beside the shared filesystem."""
+        return self.root / "scratch"
+
+    def scratch_of(self, member: str) -> Path:
+        """What `scratch` holds on `member`, seen from outside the nodes."""
+        return self.root / "local" / member
+
     def in_namespace(self, member: str, argv: list[str]) -> list[str]:
-        """`argv` run in a member's network namespace, under its host name, with the cluster's hosts file."""
+        """`argv` run in a member's network namespace, under its host name, with the cluster's hosts file
+        and its own `scratch`."""
         # Not `ip netns exec`: it remounts /sys, which hides the cgroup mounts slurmd needs. A mount
-        # namespace of its own keeps the /etc/hosts bind mount away from the rest of the machine.
+        # namespace of its own keeps the bind mounts away from the rest of the machine (unshare makes its
+        # mounts private).
+        mounts = 'mount --bind "$0" /etc/hosts && mount --bind "$1/local/$2" "$1/scratch" && hostname "$2"'
         return ["nsenter", f"--net=/run/netns/{self.netns(member)}", "unshare", "--mount", "--uts", "--",
-                "sh", "-c", 'mount --bind "$0" /etc/hosts && hostname "$1" && shift && exec "$@"',
-                str(self.root / "hosts"), member, *argv]  # fmt: skip
+                "sh", "-c", f'{mounts} && shift 2 && exec "$@"',
+                str(self.root / "hosts"), str(self.root), member, *argv]  # fmt: skip
 
     # ---- the hooks of LocalSlurmCluster ------------------------------------------------------------
     def _check_host(self) -> None:

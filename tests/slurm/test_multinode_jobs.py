@@ -190,7 +190,9 @@ def preempted_and_reference(netns_cluster, inputs, tmp_path_factory):
     two, one = tmp_path_factory.mktemp("two-nodes"), tmp_path_factory.mktemp("one-node")
     # keep_last=2: the preemption checkpoint stays next to the final one, for the test to read
     tracking = ["tracking.enabled=true", f"tracking.uri=sqlite:///{two}/mlflow.db", "train.keep_last=2"]
-    two_job = submit(cluster, two, overrides(inputs, two / "out", STEPS, *tracking),
+    # the data cache on each node's own disk: every node builds its own copy, with its own ranks
+    local_cache = f"data.cache_dir={cluster.scratch}/cache"
+    two_job = submit(cluster, two, overrides(inputs, two / "out", STEPS, *tracking, local_cache),
                      nodes=2, nproc=2)  # fmt: skip
     one_job = submit(cluster, one, overrides(inputs, one / "out"), nodes=1, nproc=4)
     wait_for_steps(cluster, two_job, two, two / "out", 2)
@@ -251,6 +253,23 @@ def test_two_nodes_train_to_the_one_node_losses_step_by_step(preempted_and_refer
         for key in ("loss", "ntil", "grad_norm", "labelled_tokens"):
             assert metrics[step][key] == reference[step][key], (step, key)
     assert reference[STEPS]["loss"] < reference[1]["loss"]  # it trained
+
+
+def test_each_node_builds_its_own_node_local_data_cache(preempted_and_reference, netns_cluster, inputs):
+    """data.cache_dir on the nodes' own disks (the cluster's scratch, one folder per node): every node
+    the job started on holds a complete cache, built there (by its first rank to find the lock free, its
+    other rank helping: tests/unit/test_data_cache.py pins the split), equal byte for byte to the one
+    the one-node job built beside the data on the shared filesystem."""
+    cluster = netns_cluster
+    two, job, info, first_nodes, second_nodes = preempted_and_reference["two"]
+    assert info.state == "COMPLETED", job_log(two, job)
+    (shared,) = (inputs[1].parent / ".ntil_cache").glob("*/manifest.json")  # the one-node job's
+    for node in {*first_nodes, *second_nodes}:
+        caches = list((cluster.scratch_of(node) / "cache").glob("*/manifest.json"))
+        assert [c.parent.name for c in caches] == [shared.parent.name], (node, caches)
+        files = {p.name: p.read_bytes() for p in sorted(caches[0].parent.iterdir())}
+        assert files == {p.name: p.read_bytes() for p in sorted(shared.parent.iterdir())}, node
+    assert not (cluster.scratch / "cache").exists()  # outside the nodes the scratch is empty
 
 
 def test_preempted_two_node_job_checkpoints_once_requeues_and_continues_its_mlflow_run(

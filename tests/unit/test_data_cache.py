@@ -217,6 +217,82 @@ def test_a_changed_tokenizer_file_is_rebuilt(tmp_path, folders):
     _assert_same_samples(rebuilt, ConversationDataset(path, processor, max_seq_len=128, on_bad_sample="skip"))
 
 
+def test_a_tokenizer_changed_in_memory_is_rebuilt(tmp_path):
+    """Mistral Small 3.1's tokenizer.json groups digits; the data pipeline splits them in memory
+    (fix_mistral_regex): no file changes, yet the cache built before the fix holds grouped digit
+    labels. The key is the tokenizer as loaded, so the fixed one rebuilds and gets one digit a token."""
+    from transformers import AutoTokenizer
+
+    from ntil_ds.data.processor import fix_mistral_regex
+
+    folder = build_tiny_model_folder("mistral3", tmp_path / "mistral3")
+    path = _write(
+        tmp_path / "train.jsonl", [{"messages": _turns(f"{i} * 37?", str(i * 37))} for i in range(60, 80)]
+    )
+    grouped = AutoTokenizer.from_pretrained(folder)
+    before = CachedConversationDataset(path, grouped, 128, "skip")
+    assert fix_mistral_regex(grouped, folder)  # the same object, changed in memory
+    after = CachedConversationDataset(path, grouped, 128, "skip")
+    assert after.cache_status.startswith("rebuilt because it was built for other inputs: processor_sha256")
+    assert after.cache.folder == before.cache.folder
+    digits = [
+        t for t in grouped.convert_ids_to_tokens(after[0]["input_ids"].tolist()) if t.strip("▁").isdigit()
+    ]
+    assert digits and all(len(t.strip("▁")) == 1 for t in digits), digits
+    _assert_same_samples(after, ConversationDataset(path, grouped, max_seq_len=128, on_bad_sample="skip"))
+
+
+def test_the_processor_kind_and_the_path_spelling_are_in_the_key(tmp_path, folders, monkeypatch):
+    """One folder loaded as its image processor and as its tokenizer alone (Llama 4 loads either way from
+    the same files, with and without torchvision): a cache of one is never the other's (it would fail at
+    the first sample); one data file spelt two ways is one cache, reused, not rebuilt."""
+    from ntil_ds.data.processor import tokenizer_of
+
+    path = _write(tmp_path / "data" / "train.jsonl", _image_rows(tmp_path / "data", 8)[:8])
+    processor = load_processor(folders["qwen2_vl"])
+    text_only = CachedConversationDataset(path, tokenizer_of(processor), 128, "skip")
+    assert text_only.cache_status == "built" and not text_only.multimodal
+    full = CachedConversationDataset(path, processor, 128, "skip")
+    assert full.cache.folder == text_only.cache.folder  # one slot: the same folder, the same settings
+    assert full.cache_status.startswith("rebuilt because it was built for other inputs: processor_sha256")
+    _assert_same_samples(full, ConversationDataset(path, processor, max_seq_len=128, on_bad_sample="skip"))
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "alias").symlink_to(tmp_path / "data")
+    monkeypatch.chdir(tmp_path)
+    spellings = (tmp_path / "elsewhere" / ".." / "data" / "train.jsonl", tmp_path / "alias" / "train.jsonl")
+    for spelling in (*spellings, "data/train.jsonl"):
+        again = CachedConversationDataset(spelling, processor, 128, "skip")
+        assert again.cache_status == "reused" and again.cache.folder == full.cache.folder, spelling
+    # A link to the file from another folder is other data: its images are looked for in that folder.
+    (tmp_path / "elsewhere" / "train.jsonl").symlink_to(path)
+    linked = CachedConversationDataset(tmp_path / "elsewhere" / "train.jsonl", processor, 128, "skip")
+    assert linked.cache_status == "built" and linked.report.skipped["missing_image"] == 6
+
+
+def test_the_processor_digest_reads_no_file_of_the_folder_but_what_the_processor_is(
+    tmp_path, folders, monkeypatch
+):
+    """A Hub clone holds the weights under .git/lfs and other files beside the tokenizer: none of them is
+    read for the key (they would cost a walk through gigabytes on every start), while a change of what the
+    processor is (its image size) changes the key."""
+    folder = shutil.copytree(folders["qwen2_vl"], tmp_path / "model")
+    digest = cache_module.processor_digest(load_processor(folder))
+    blob = folder / ".git" / "lfs" / "objects" / "ab" / "cd" / "abcd"
+    blob.parent.mkdir(parents=True)
+    blob.write_bytes(os.urandom(1 << 20))
+    (folder / "README.md").write_text("a model card")
+    (folder / "model.safetensors").write_bytes(b"weights")
+    opened = []
+    read = cache_module.update_with_file
+    monkeypatch.setattr(cache_module, "update_with_file", lambda d, f: opened.append(str(f)) or read(d, f))
+    assert cache_module.processor_digest(load_processor(folder)) == digest
+    assert opened and not [f for f in opened if f.startswith(str(folder))], opened  # its own saved copy
+    config = json.loads((folder / "preprocessor_config.json").read_text())
+    config["max_pixels"] = config.get("max_pixels", 12845056) // 2
+    (folder / "preprocessor_config.json").write_text(json.dumps(config))
+    assert cache_module.processor_digest(load_processor(folder)) != digest
+
+
 def _cache_files(folder):
     return {p.name for p in folder.iterdir()}
 
@@ -299,41 +375,48 @@ def test_load_dataset_without_cache_is_todays_dataset(tmp_path, processors):
     assert isinstance(cached, CachedConversationDataset)
 
 
-def test_ranks_meet_once_with_the_main_rank_holding_the_lock(tmp_path, processors):
-    """The main rank enters the barrier holding the build lock (the others then wait on the lock, not in
-    a collective); it enters it exactly once, also when the data is bad."""
+def test_ranks_meet_once_with_the_main_rank_holding_the_lock(tmp_path, processors, monkeypatch):
+    """The main rank enters the collective holding the build lock (the others then wait on the lock, not
+    in a collective), and with the cache's key, which it alone computed (every byte of the data hashed
+    once, not once per rank); it enters it exactly once, also when the data is bad."""
     path = _write(tmp_path / "train.jsonl", _text_rows(3))
     lock = tmp_path / "c" / f"{slot_name(path, processors['qwen2'], 128, 'skip')}.lock"
-    held = []
+    held, shared = [], []
 
-    def barrier():
+    def share(identity):
         with lock.open("a+b") as file:
             try:
                 fcntl.flock(file, fcntl.LOCK_SH | fcntl.LOCK_NB)
                 held.append(False)
             except BlockingIOError:
                 held.append(True)
+        shared.append(identity)
+        return shared[0]  # the main rank's, as broadcast_from_main gives every rank
 
-    main = load_dataset(path, processors["qwen2"], 128, "skip", cache_dir=tmp_path / "c", barrier=barrier)
+    hashed = []
+    digest = cache_module.file_digest
+    monkeypatch.setattr(cache_module, "file_digest", lambda p: hashed.append(p) or digest(p))
+    main = load_dataset(path, processors["qwen2"], 128, "skip", cache_dir=tmp_path / "c", share=share)
     assert held == [True] and main.cache_status == "built"
+    key, lines = shared[0]
+    assert key == main.cache.manifest["key"] and lines == len(_text_rows(3)) and len(hashed) == 1
     other = load_dataset(
-        path, processors["qwen2"], 128, "skip", cache_dir=tmp_path / "c", barrier=barrier, is_main=False
+        path, processors["qwen2"], 128, "skip", cache_dir=tmp_path / "c", share=share, is_main=False
     )
     assert held == [True, False] and other.cache_status == "reused"
+    assert len(hashed) == 1  # the other rank used the main rank's key
     # The same file again (data.eval_file = data.train_file): the cache checks, so the main rank meets
-    # the others without the exclusive lock; holding it, it would wait in the barrier for a rank that
+    # the others without the exclusive lock; holding it, it would wait in the collective for a rank that
     # still waits for its shared lock on this slot from the dataset before (a deadlock seen on 2 ranks).
-    again = load_dataset(path, processors["qwen2"], 128, "skip", cache_dir=tmp_path / "c", barrier=barrier)
+    again = load_dataset(path, processors["qwen2"], 128, "skip", cache_dir=tmp_path / "c", share=share)
     assert held == [True, False, False] and again.cache_status == "reused"
     calls = []
-    with pytest.raises(DataError, match="data file not found"):  # before any lock
-        load_dataset(
-            tmp_path / "nope.jsonl", processors["qwen2"], 128, "skip", barrier=lambda: calls.append(1)
-        )
+    with pytest.raises(DataError, match="data file not found"):  # before any lock: the others get None
+        load_dataset(tmp_path / "nope.jsonl", processors["qwen2"], 128, "skip", share=calls.append)
     bad = _write(tmp_path / "bad.jsonl", ["not json"])
     with pytest.raises(BadSample):  # while building
-        load_dataset(bad, processors["qwen2"], 128, "error", barrier=lambda: calls.append(1))
-    assert calls == [1, 1]
+        load_dataset(bad, processors["qwen2"], 128, "error", share=calls.append)
+    assert calls[0] is None and len(calls) == 2 and calls[1][0]["data_path"] == str(bad.resolve())
 
 
 def test_the_mapped_arrays_pickle_as_their_folder(tmp_path, processors):
@@ -536,6 +619,13 @@ def test_the_builder_encodes_the_range_of_a_dead_claimant(tmp_path, processors, 
     assert not parts.exists()
 
 
+def _broadcast(obj):
+    """What the trainer passes as load_dataset's `share` (dist.broadcast_from_main)."""
+    from ntil_ds.dist import broadcast_from_main
+
+    return broadcast_from_main(obj)
+
+
 def _rank(rank, store, folder, files, cache_dir, results):
     """One of two gloo ranks calling load_dataset as the trainer does, on each of `files` in turn."""
     from datetime import timedelta
@@ -551,7 +641,7 @@ def _rank(rank, store, folder, files, cache_dir, results):
         for path, rule in files:
             try:
                 data = load_dataset(path, processor, 128, rule, cache_dir=cache_dir, is_main=rank == 0,
-                                    barrier=dist.barrier, ranks=2)  # fmt: skip
+                                    share=_broadcast, ranks=2)  # fmt: skip
                 results.put((rank, str(path), data.cache_status, data.encoded_ranges, None))
             except DataError as error:
                 results.put((rank, str(path), "failed", None, str(error)))
@@ -604,3 +694,70 @@ def test_two_ranks_share_the_build_and_a_bad_line_on_either_ends_both(tmp_path, 
             assert "on_bad_sample=skip" in error
     left = [p.name for p in (tmp_path / "c").iterdir() if p.is_dir() and not p.name.startswith(".")]
     assert left == [shared.cache.folder.name]  # the bad files left no cache
+
+
+def _slow_ticket():
+    """PartedBuild.start a second late: the node's other rank finds no build to help yet, and must not
+    then block on the lock (it would encode nothing: the node's build serial)."""
+    import time as clock
+
+    from ntil_ds.data.parallel_build import PartedBuild
+
+    start = PartedBuild.start.__func__
+    PartedBuild.start = classmethod(lambda cls, *a: clock.sleep(1.0) or start(cls, *a))
+
+
+def _node_rank(rank, store, folder, path, scratch, results):
+    """One of 4 gloo ranks, 2 a "node", each node's data.cache_dir its own folder (a node-local disk)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=4,
+                                timeout=timedelta(seconds=60))  # fmt: skip
+        _wait_for_a_helper()  # whichever rank leads a node's build starts once the other has claimed
+        _slow_ticket()  # ...and the other has looked for a build to help long before the ticket is out
+        data = load_dataset(path, load_processor(folder), 128, "skip", cache_dir=scratch / f"node{rank // 2}",
+                            is_main=rank == 0, share=_broadcast, ranks=2)  # fmt: skip
+        results.put((rank, data.cache_status, data.encoded_ranges, None))
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException as error:
+        results.put((rank, "crashed", None, repr(error)))
+        raise
+
+
+def test_each_node_builds_its_node_local_cache_with_its_own_ranks(tmp_path, folders, processors):
+    """2 "nodes" x 2 ranks (4 gloo processes), data.cache_dir on each node's own disk: the second node's
+    cache is built at the same time as the first's, split between its two ranks (the first to find its
+    lock free leads, the other helps), not by one rank alone while the job waits in a collective; both
+    caches are the serial build byte for byte."""
+    path = _write(tmp_path / "train.jsonl", _spread_rows(200))
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    args = (tmp_path / "store", folders["qwen2"], path, tmp_path / "scratch", results)
+    ranks = [context.Process(target=_node_rank, args=(r, *args)) for r in range(4)]
+    for process in ranks:
+        process.start()
+    try:
+        got = {}
+        for _ in range(4):
+            rank, status, share, error = results.get(timeout=240)  # a hang fails here, not in CI's
+            assert status != "crashed", error
+            got[rank] = (status, share)
+        for process in ranks:
+            process.join(timeout=60)
+            assert process.exitcode == 0
+    finally:
+        for process in ranks:
+            if process.is_alive():
+                process.terminate()
+    serial = CachedConversationDataset(path, processors["qwen2"], 128, "skip", cache_dir=tmp_path / "s")
+    for node in (0, 1):
+        (status_a, share_a), (status_b, share_b) = got[2 * node], got[2 * node + 1]
+        assert sorted((status_a, status_b)) == ["built", "reused"], (node, got)
+        assert share_a[1] == share_b[1] == 8 and share_a[0] + share_b[0] == 8, (node, got)
+        assert min(share_a[0], share_b[0]) >= 1, (node, got)  # both ranks of the node encoded
+        (cache,) = (tmp_path / "scratch" / f"node{node}").glob("*/manifest.json")
+        assert _folder_bytes(cache.parent) == _folder_bytes(serial.cache.folder)
