@@ -17,7 +17,7 @@ import os
 import sys
 
 from ntil_ds.config import ConfigError
-from ntil_ds.dist import DistInfo, exit_process, is_communication_error, is_timeout, unanswering_ranks
+from ntil_ds.dist import DistInfo, exit_process, is_communication_error, unanswering_ranks
 from ntil_ds.ds_config import resolve_run
 from ntil_ds.preemption import EXIT_PREEMPTED, PreemptionWatcher
 
@@ -83,8 +83,10 @@ def main(argv: list[str] | None = None) -> int:
         if not is_communication_error(e):
             raise
         report(dist_info, "lost contact with other ranks", e)
-        if is_timeout(e):  # a peer that cannot be reached: say which, not only "timed out" (docs/slurm.md)
-            report(dist_info, "ranks that do not answer", unanswering_ranks())
+        # Say which peers are gone, not only "timed out" (docs/slurm.md). Also when a connection was closed
+        # rather than timed out: a peer whose own collective timed out first closes its connections, so
+        # which of the two a rank sees is a race between the ranks' timers.
+        report(dist_info, "ranks that do not answer", unanswering_ranks())
         return 1
     finally:
         watcher.close()

@@ -21,6 +21,7 @@ from typing import Any, Literal
 import yaml
 
 from ntil_ds.config_lora import validate_lora
+from ntil_ds.config_parallel import ParallelConfig, validate_parallel
 from ntil_ds.typed_config import ConfigError, apply_override, build
 
 
@@ -249,6 +250,7 @@ class Config:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -368,6 +370,7 @@ def validate(cfg: Config) -> None:
     if cfg.model.freeze_vision_tower and cfg.model.freeze_projector and cfg.model.freeze_language_model:
         raise ConfigError("model.freeze_* are all true: nothing would train")
     validate_lora(cfg)  # ntil_ds/config_lora.py
+    validate_parallel(cfg)  # ntil_ds/config_parallel.py
 
 
 def gradient_accumulation_steps(cfg: Config, data_parallel_size: int) -> int:

@@ -16,7 +16,8 @@
 Layout: ranks are grouped into tensor-parallel groups of ``tp_size`` consecutive ranks (the layout
 DeepSpeed AutoTP builds; :func:`check_parallel_layout` compares it with DeepSpeed's own groups once the
 engine exists). Data is sharded over data-parallel ranks only: every rank of one tensor-parallel group
-reads the same batch.
+reads the same batch. Sequence parallelism (``sp_size`` > 1, DeepSpeed Ulysses) groups ``sp_size``
+consecutive ranks the same way: they read the same batch and each keeps its :class:`SequenceSlice`.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class DistInfo:
     world_size: int = 1
     tp_size: int = 1
     local_world_size: int = 1  # the ranks on this node
+    sp_size: int = 1  # parallel.sequence_parallel_size: ranks that split one batch's sequences
 
     def __post_init__(self) -> None:
         if self.world_size % self.tp_size:
@@ -52,9 +54,20 @@ class DistInfo:
                 f"world size {self.world_size} is not divisible by the tensor-parallel size "
                 f"{self.tp_size} (tensor_parallel.autotp_size in the DeepSpeed JSON)"
             )
+        if self.sp_size > 1 and self.tp_size > 1:
+            raise ConfigError(
+                f"parallel.sequence_parallel_size={self.sp_size} with tensor_parallel.autotp_size="
+                f"{self.tp_size}: ntil-ds runs one of the two at a time; drop autotp_size from the DeepSpeed "
+                "JSON (ZeRO-3 already shards the weights) or set parallel.sequence_parallel_size=1"
+            )
+        if self.world_size % self.sp_size:
+            raise ConfigError(
+                f"world size {self.world_size} is not divisible by parallel.sequence_parallel_size="
+                f"{self.sp_size}: launch a multiple of {self.sp_size} processes or change the size"
+            )
 
     @classmethod
-    def from_env(cls, tp_size: int = 1) -> DistInfo:
+    def from_env(cls, tp_size: int = 1, sp_size: int = 1) -> DistInfo:
         """Read the variables torchrun, the deepspeed launcher and srun-started torchrun set."""
         return cls(
             rank=int(os.environ.get("RANK", "0")),
@@ -62,15 +75,22 @@ class DistInfo:
             world_size=int(os.environ.get("WORLD_SIZE", "1")),
             tp_size=tp_size,
             local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+            sp_size=sp_size,
         )
 
     @property
     def dp_size(self) -> int:
-        return self.world_size // self.tp_size
+        """Ranks that read different batches: the world over tensor- and sequence-parallel groups."""
+        return self.world_size // (self.tp_size * self.sp_size)
 
     @property
     def dp_rank(self) -> int:
-        return self.rank // self.tp_size
+        return self.rank // (self.tp_size * self.sp_size)
+
+    @property
+    def sp_rank(self) -> int:
+        """This rank's place in its sequence-parallel group (consecutive ranks, as DeepSpeed builds it)."""
+        return self.rank % self.sp_size
 
     @property
     def tp_rank(self) -> int:
@@ -83,12 +103,35 @@ class DistInfo:
 
     def expected_tp_group(self) -> list[int]:
         """The global ranks of this rank's tensor-parallel group (consecutive ranks)."""
-        start = self.dp_rank * self.tp_size
+        start = self.rank - self.tp_rank
         return list(range(start, start + self.tp_size))
 
     def expected_dp_group(self) -> list[int]:
         """The global ranks of this rank's data-parallel group (same tp_rank, one per TP group)."""
         return list(range(self.tp_rank, self.world_size, self.tp_size))
+
+
+@dataclass(frozen=True)
+class SequenceSlice:
+    """This rank's part of a micro-batch split on the sequence dimension: positions ``[rank * L,
+    (rank + 1) * L)`` of rows padded from ``length`` to ``padded_length = size * L`` tokens."""
+
+    rank: int
+    size: int
+    length: int  # the collated rows' length
+    padded_length: int  # the smallest multiple of size >= length
+
+    @classmethod
+    def of(cls, length: int, rank: int, size: int) -> SequenceSlice:
+        return cls(rank=rank, size=size, length=length, padded_length=-(-length // size) * size)
+
+    @property
+    def start(self) -> int:
+        return self.rank * (self.padded_length // self.size)
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.padded_length // self.size
 
 
 def check_parallel_layout(info: DistInfo, tp_group: Sequence[int], dp_group: Sequence[int]) -> None:
@@ -104,6 +147,18 @@ def check_parallel_layout(info: DistInfo, tp_group: Sequence[int], dp_group: Seq
             f"group {list(dp_group)}, but ntil-ds shards data for TP groups of {info.tp_size} consecutive "
             f"ranks (expected {info.expected_tp_group()} and {info.expected_dp_group()}). This DeepSpeed "
             "version lays out AutoTP groups differently: pin the tested deepspeed (constraints/cpu.txt)."
+        )
+
+
+def check_sequence_layout(info: DistInfo, sequence_group: Sequence[int]) -> None:
+    """Raise unless DeepSpeed's sequence-parallel group (global ranks) is the ``sp_size`` consecutive
+    ranks the sampler gives the same batch (``dp_rank = rank // sp_size``)."""
+    start = info.dp_rank * info.sp_size
+    expected = list(range(start, start + info.sp_size))
+    if list(sequence_group) != expected:
+        raise RuntimeError(
+            f"rank {info.rank}: DeepSpeed's sequence-parallel group is {list(sequence_group)}, but ntil-ds "
+            f"gives one batch to consecutive ranks {expected}: pin the tested deepspeed (constraints/cpu.txt)"
         )
 
 
@@ -311,7 +366,7 @@ def make_peer_check_group() -> None:
 
 
 def unanswering_ranks(timeout: timedelta = PEER_CHECK_TIMEOUT) -> str:
-    """COLLECTIVE (on the peer-check group), after a timed-out collective: on rank 0, the ranks that do
+    """COLLECTIVE (on the peer-check group), after a failed collective: on rank 0, the ranks that do
     not answer within ``timeout``, in one line; on the others, whether rank 0 was reached.
 
     A roll call: each rank sends rank 0 one number; rank 0 waits for all of them until ``timeout`` has
@@ -330,13 +385,18 @@ def unanswering_ranks(timeout: timedelta = PEER_CHECK_TIMEOUT) -> str:
             return f"could not reach rank 0 within {timeout.total_seconds():.0f} s"
         return "answered rank 0's roll call (rank 0 names the ranks that did not)"
     deadline = time.monotonic() + timeout.total_seconds()
-    calls = {peer: dist.irecv(torch.zeros(1), src=peer, group=group) for peer in range(1, world)}
-    missing = []
+    calls, missing = {}, []
+    for peer in range(1, world):
+        try:  # a peer that crashed closed its connection: posting the receive already fails
+            calls[peer] = dist.irecv(torch.zeros(1), src=peer, group=group)
+        except RuntimeError:
+            missing.append(peer)
     for peer, call in calls.items():
         try:
             call.wait(timedelta(seconds=max(deadline - time.monotonic(), 0.01)))
         except RuntimeError:
             missing.append(peer)
+    missing.sort()
     if not missing:
         return "every rank answered"
     return f"ranks {', '.join(map(str, missing))} of {world} did not answer within {timeout.total_seconds():.0f} s"

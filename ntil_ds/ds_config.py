@@ -83,6 +83,15 @@ def merge_deepspeed_config(cfg: Config, ds_json: dict[str, Any], data_parallel_s
             "tensor_parallel block (configs/deepspeed/zero3.json)"
         )
 
+    sequence_parallel = cfg.parallel.sequence_parallel_size
+    if merged.get("sequence_parallel_size", sequence_parallel) != sequence_parallel:
+        raise ConfigError(
+            f"sequence_parallel_size={merged['sequence_parallel_size']!r} in {source} contradicts the recipe's "
+            f"parallel.sequence_parallel_size={sequence_parallel}; remove it from the JSON: the recipe sets it"
+        )
+    if sequence_parallel > 1:  # DeepSpeed's batch check at ZeRO-3's model init reads it (no mpu there yet)
+        merged["sequence_parallel_size"] = sequence_parallel
+
     for block in _RECIPE_OWNED_BLOCKS:
         if block in merged:
             raise ConfigError(
@@ -134,7 +143,9 @@ def resolve_run(recipe: str | Path, overrides: list[str]) -> tuple[Config, dict[
     cfg = load_config(recipe, overrides)
     collective_timeout(os.environ)  # a bad NTIL_COLLECTIVE_TIMEOUT_S fails here, not in init_distributed
     ds_json = load_deepspeed_json(cfg.deepspeed)
-    dist_info = DistInfo.from_env(tp_size=tensor_parallel_size(ds_json))
+    dist_info = DistInfo.from_env(
+        tp_size=tensor_parallel_size(ds_json), sp_size=cfg.parallel.sequence_parallel_size
+    )
     return cfg, merge_deepspeed_config(cfg, ds_json, dist_info.dp_size), dist_info
 
 

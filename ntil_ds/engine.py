@@ -27,6 +27,7 @@ from ntil_ds.dist import (
     DistInfo,
     any_rank,
     check_parallel_layout,
+    check_sequence_layout,
     collective_timeout,
     launcher_env_defaults,
     make_host_group,
@@ -34,6 +35,7 @@ from ntil_ds.dist import (
 )
 from ntil_ds.ds_config import optimizer_build_problem
 from ntil_ds.model.parts import expert_modules, num_experts
+from ntil_ds.model.sequence_parallel import check_sequence_parallel_supported
 
 logger = logging.getLogger(__name__)
 
@@ -142,6 +144,39 @@ def set_expert_leaf_modules(model: torch.nn.Module) -> list[type]:
     return classes
 
 
+def register_sequence_parallel(model: torch.nn.Module, cfg: Config, ds_config: dict[str, Any]) -> Any | None:
+    """With ``parallel.sequence_parallel_size`` > 1: DeepSpeed's Ulysses attention put in place of the
+    model's attention function (its own Hugging Face integration, ``UlyssesSPAttentionHF``) and its
+    groups of consecutive ranks made (a COLLECTIVE); the ``mpu`` for ``deepspeed.initialize``, which then
+    shards ZeRO over, and averages gradients across, the data- and sequence-parallel ranks together.
+    None when off. In evaluation (``model.eval()``) the attention is the model's own: every rank of a
+    group evaluates whole rows (the evaluation batches are not sliced)."""
+    size = cfg.parallel.sequence_parallel_size
+    if size == 1:
+        return None
+    check_sequence_parallel_supported(model.config, size)
+    zero = ds_config.get("zero_optimization") or {}
+    if zero.get("stage") == 3 and zero.get("reduce_scatter", True) is False:
+        raise ConfigError(
+            f"parallel.sequence_parallel_size={size} with zero_optimization.reduce_scatter=false in "
+            f"{cfg.deepspeed}: DeepSpeed 0.19.8's ZeRO-3 then scales the gradient of sequence-parallel ranks "
+            "by bucket size (see TrainingEngine.gradient_average_size); remove reduce_scatter from the JSON"
+        )
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+    attention = model.config._attn_implementation
+    if dist.get_rank() == 0:
+        logger.info("Ulysses sequence parallelism: %d ranks a group, around %s attention", size, attention)
+    return UlyssesSPAttentionHF.register_with_transformers(
+        model_name_or_path=model,
+        core_attn_implementation=attention,
+        sequence_parallel_size=size,
+        micro_batch_size=cfg.train.micro_batch_size,
+        seq_length_is_variable=True,  # rows are padded per micro-batch, not to one length
+        disable_in_eval=True,
+    )
+
+
 # ----------------------------------------------------------------------------------------------------
 # The engine
 
@@ -204,6 +239,7 @@ class TrainingEngine:
             optimizer=optimizer,
             lr_scheduler=schedule,
             config=ds_config,
+            mpu=register_sequence_parallel(model, cfg, ds_config),
         )
 
     @staticmethod
@@ -277,16 +313,36 @@ class TrainingEngine:
             tp_group = dist.get_process_group_ranks(deepspeed_groups.get_tensor_model_parallel_group())
             dp_group = dist.get_process_group_ranks(deepspeed_groups.get_data_parallel_group())
         check_parallel_layout(dist_info, tp_group, dp_group)
-        if self.data_parallel_size != dist_info.dp_size:
+        if self.sequence_group is not None:
+            check_sequence_layout(dist_info, dist.get_process_group_ranks(self.sequence_group))
+        reducing = dist_info.dp_size * dist_info.sp_size
+        if self.engine.seq_dp_world_size != reducing:
             raise RuntimeError(
-                f"DeepSpeed averages gradients over {self.data_parallel_size} ranks but the job has "
-                f"{dist_info.dp_size} data-parallel ranks: the trainer's loss normalization would be wrong"
+                f"DeepSpeed reduces gradients over {self.engine.seq_dp_world_size} ranks but the job has "
+                f"{reducing} (data- times sequence-parallel ranks): the trainer's loss normalization would "
+                "be wrong"
             )
 
     @property
-    def data_parallel_size(self) -> int:
-        """The ranks ZeRO averages gradients over (world size / tensor-parallel size)."""
-        return self.engine.dp_world_size
+    def gradient_average_size(self) -> int:
+        """What DeepSpeed divides the gradient summed over its ranks by (the trainer multiplies it back).
+
+        Without sequence parallelism: the data-parallel ranks (world size / tensor-parallel size). With
+        it, the ranks of a sequence-parallel group each hold the gradient of their own positions, summed
+        over the ranks; DeepSpeed 0.19.8 then divides by the data-parallel ranks only on ZeRO 0-2 (it
+        expects every rank of a group to have the group's mean loss), but by all the ranks on ZeRO-3's
+        reduce-scatter path (``stage3.__avg_scatter_grads``; its other path, reduce_scatter=false, divides
+        like ZeRO-2 for small buckets only, so :func:`register_sequence_parallel` refuses it). The
+        sequence-parallel parity tests pin both (tests/distributed/test_sequence_parallel.py)."""
+        size = self.engine.seq_dp_world_size
+        if self.engine.sequence_parallel_size == 1 or self.engine.zero_optimization_stage() == 3:
+            return size
+        return size // self.engine.sequence_parallel_size
+
+    @property
+    def sequence_group(self) -> Any | None:
+        """The ranks that split this rank's rows (parallel.sequence_parallel_size > 1), else None."""
+        return self.engine.seq_parallel_group if self.engine.sequence_parallel_size > 1 else None
 
     def lr(self) -> float:
         return float(self.engine.get_lr()[0])

@@ -31,6 +31,7 @@ from torch import nn
 from ntil_ds.config import ConfigError
 from ntil_ds.loss import NTILLoss, NTILOutput
 from ntil_ds.loss.labelled_head import OutputHead, labelled_position_stats
+from ntil_ds.loss.sequence_shards import SequenceShard
 from ntil_ds.loss.vocab_stats import compute_dtype
 from ntil_ds.model.head_rows import NumberRowsHead
 from ntil_ds.model.tensor_parallel import VocabShard, output_head
@@ -138,11 +139,13 @@ def row_inputs(
     dtype: torch.dtype,
     generator: torch.Generator | None,
     vocab_parallel: bool,
+    sequence: SequenceShard | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """``(targets at rows, noise [B*T, 20] or None, payload at rows or None)``. The noise is drawn over
     every position as on full logits (same generator use, same numbers); a vocabulary shard sends its
-    labelled rows' noise from the group's first rank inside the stage's all-reduce."""
-    targets, noise = loss_fn.position_targets_and_noise(labels, compute_dtype(dtype), generator)
+    labelled rows' noise from the group's first rank inside the stage's all-reduce. ``sequence``: the
+    labels are this rank's slice of rows split over a sequence-parallel group."""
+    targets, noise = loss_fn.position_targets_and_noise(labels, compute_dtype(dtype), generator, sequence)
     payload = noise.index_select(0, rows) if vocab_parallel and noise is not None else None
     return targets.index_select(0, rows), noise, payload
 
@@ -155,9 +158,11 @@ def loss_from_rows(
     noise: torch.Tensor | None,
     unpack_index: torch.Tensor | None,
     step: int | None = None,
+    sequence: SequenceShard | None = None,
 ) -> NTILOutput:
     """The loss from the head module's output ``[1, R, 2 + C (+ P)]`` (see the module docstring); ``step``:
-    the optimizer step, for the loss's lambda ramp."""
+    the optimizer step, for the loss's lambda ramp; ``sequence``: this rank's share of rows split over a
+    sequence-parallel group."""
     stats = row_stats[0]
     num_columns = loss_fn.column_ids_on(labels.device).numel()
     num_positions = labels.numel()
@@ -173,4 +178,4 @@ def loss_from_rows(
     row_max = at_positions(stats[:, 1 + num_columns].detach(), float("inf"))
     if stats.shape[1] > 2 + num_columns:  # the payload: the noise as the group's first rank drew it
         noise = at_positions(stats[:, 2 + num_columns :].detach())
-    return loss_fn.from_position_stats(labels, ce, columns, row_max, noise, unpack_index, step)
+    return loss_fn.from_position_stats(labels, ce, columns, row_max, noise, unpack_index, step, sequence)

@@ -302,6 +302,9 @@ def estimate(cfg: Config, ds_json: dict[str, Any], gpus: int, gpu_memory_gb: flo
     tokens = cfg.train.micro_batch_size * cfg.data.max_seq_len
     if cfg.data.max_tokens_per_micro_batch:  # packing: one row of at most this many tokens
         tokens = cfg.data.max_tokens_per_micro_batch
+    # Sequence parallelism: each rank holds its slice of the rows (Ulysses' all-to-all gives attention the
+    # whole rows for 1/sp of the heads: as many values as the slice for all of them).
+    tokens = -(-tokens // cfg.parallel.sequence_parallel_size)
     vocab = hf_config.get_text_config().vocab_size
     logits = tokens * vocab * wbytes * (1 + NTIL_PEAK_OVER_LOGITS) / tp
     if head_on_labelled_rows(cfg):  # a bound: the labelled rows are at most every position

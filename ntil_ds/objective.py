@@ -34,6 +34,7 @@ from ntil_ds.labelled_forward import (
     row_inputs,
 )
 from ntil_ds.loss import NTILLoss, NTILOutput
+from ntil_ds.loss.sequence_shards import SequenceShard
 from ntil_ds.model.tensor_parallel import VocabShard
 from ntil_ds.moe import RouterTerms, router_metrics
 
@@ -49,6 +50,8 @@ class Objective:
     dtype: torch.dtype  # the model's floating dtype: pixels are cast to it
     labelled_head: bool = True  # loss.logits=labelled (the loss must be NTILLoss)
     router: RouterTerms | None = None  # a mixture of experts: its aux loss and expert load (moe.py)
+    # parallel.sequence_parallel_size > 1: the ranks holding the other slices of a sliced micro-batch's rows
+    sequence_group: Any | None = None
 
     def __post_init__(self) -> None:
         if self.labelled_head:
@@ -66,15 +69,23 @@ class Objective:
             return self.loss_of_logits(self.logits(micro_batch), micro_batch, generator, step)
         labels, extra = micro_batch.loss_inputs(self.device)
         rows = micro_batch.labelled_rows.to(self.device, non_blocking=True)
+        sequence = self.sequence_shard(micro_batch)
         targets, noise, payload = row_inputs(
-            self.loss_fn, labels, rows, self.dtype, generator, self.vocab_shard is not None
+            self.loss_fn, labels, rows, self.dtype, generator, self.vocab_shard is not None, sequence
         )
         model = self.engine.module
         with head_returns_row_stats(
             model, self.head, self.loss_fn, rows, targets, payload, self.vocab_shard, self.softcap
         ):
             row_stats = self.logits(micro_batch)
-        return loss_from_rows(self.loss_fn, labels, rows, row_stats, noise, extra.get("unpack_index"), step)
+        unpack_index = extra.get("unpack_index")
+        return loss_from_rows(self.loss_fn, labels, rows, row_stats, noise, unpack_index, step, sequence)
+
+    def sequence_shard(self, micro_batch: MicroBatch) -> SequenceShard | None:
+        """Where the rest of a sliced micro-batch's rows is (None: it holds whole rows)."""
+        if micro_batch.sequence is None:
+            return None
+        return SequenceShard(self.sequence_group, micro_batch.sequence)
 
     def logits(self, micro_batch: MicroBatch) -> torch.Tensor:
         """``[B, T, V_local]``: this rank's vocabulary slice of the logits."""
@@ -108,6 +119,8 @@ class Objective:
         step: int | None = None,
     ) -> NTILOutput:
         targets, extra = micro_batch.loss_inputs(self.device)
+        if micro_batch.sequence is not None:  # NTILLoss: the config refuses the others
+            extra["sequence"] = self.sequence_shard(micro_batch)
         shard = self.vocab_shard
         return self.loss_fn(
             logits,

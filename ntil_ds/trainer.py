@@ -137,9 +137,8 @@ class Trainer:
                 "loss.name=%s reads the logits of every position: the head runs on all of them", cfg.loss.name
             )
         router = router_terms_for(self.loaded.model, cfg.model.router_aux_loss_coef)  # MoE: aux loss, load
-        self.objective = Objective(
-            self.engine, loss_fn, vocab_shard, self.device, self.loaded.dtype, labelled, router
-        )
+        self.objective = Objective(self.engine, loss_fn, vocab_shard, self.device, self.loaded.dtype, labelled,
+                                   router, self.engine.sequence_group)  # fmt: skip
 
         self.collator = Collator(self.processor, fake_image=cfg.data.fake_image)
         self.train_collator = self._train_collator()
@@ -253,7 +252,8 @@ class Trainer:
         dp_size here. The result is the gradient of L. tests/distributed/test_train_normalization.py
         pins it: one process with the full batch == 2 ranks x 2 micro-batches.
         Tensor-parallel ranks of one group read the same batch and compute the same loss, so counts
-        summed over all ranks are divided by tp_size.
+        summed over all ranks are divided by tp_size. Sequence-parallel ranks each hold a slice of the rows:
+        counts and loss shares add up (what DeepSpeed divides by: ``engine.gradient_average_size``).
 
         One host sync per step, none per micro-batch (tests/distributed/test_host_syncs.py counts them): the
         target count is known on the host and reduced on the host group; every device sum stays on the
@@ -263,7 +263,7 @@ class Trainer:
         step, tp = self.state.step, self.dist.tp_size  # step: 0-based index of the step being taken
         local_count = {"targets": float(sum(mb.num_targets for mb in micro_batches))}  # known on the host
         labelled = all_reduce_host_sums(local_count)["targets"] / tp  # on the host group: no device wait
-        scale = self.dist.dp_size / max(labelled, 1.0)
+        scale = self.engine.gradient_average_size / max(labelled, 1.0)
         lr = self.engine.lr()  # the rate this step uses (the schedule advances inside the step)
 
         sums: dict[str, torch.Tensor] = {}  # this rank's sums of the step, on the device
@@ -324,6 +324,7 @@ class Trainer:
             samples_per_rank=self.cfg.train.global_batch_size // self.dist.dp_size,
             micro_batch_size=self.cfg.train.micro_batch_size,
             max_tokens=self.cfg.data.max_tokens_per_micro_batch,
+            sequence_slice=(self.dist.sp_rank, self.dist.sp_size) if self.dist.sp_size > 1 else None,
         )
         return step_loader(steps, self.cfg.data.num_workers, pin_memory=self.device.type == "cuda")
 
@@ -349,12 +350,8 @@ class Trainer:
         # quadratic in the row length (flex_attention's BlockMask is not, but it is measured on these rows):
         # rows no longer than the longest sample.
         flash = self.loaded.attn_implementation == "flash_attention_2"
-        return PackedCollator(
-            self.processor,
-            fake_image=self.cfg.data.fake_image,
-            rope_fn=rope_fn,
-            row_tokens=None if flash else self.cfg.data.max_seq_len,
-        )
+        return PackedCollator(self.processor, fake_image=self.cfg.data.fake_image, rope_fn=rope_fn,
+                              row_tokens=None if flash else self.cfg.data.max_seq_len)  # fmt: skip
 
     def _start_tracking(self, *, resumed: bool, tags: Mapping[str, str] | None) -> Tracker:
         tracker = build_tracker(

@@ -14,6 +14,7 @@ import torch
 
 from ntil_ds.constants import IGNORE_INDEX
 from ntil_ds.data.packing import PACKING_KEYS
+from ntil_ds.dist import SequenceSlice
 
 # Keys of a collated batch that are not model inputs: the aligned targets, and what only the loss reads.
 NOT_MODEL_INPUTS = ("targets", *PACKING_KEYS)
@@ -25,6 +26,8 @@ class MicroBatch:
 
     sample_ids: list[int]
     tensors: dict[str, torch.Tensor]  # the collator's output: model inputs, ``targets``, packing keys
+    # Sequence parallelism: the tensors are this rank's slice of the collated rows (``slice_sequence``).
+    sequence: SequenceSlice | None = None
     num_targets: int = field(init=False)  # positions with a target (the loss's token count)
     num_input_tokens: int = field(init=False)  # real input tokens (attention_mask 1): the throughput
     # Flat positions ``b * T + t`` with a target, ascending: where loss.logits=labelled runs the head.
@@ -47,8 +50,9 @@ class MicroBatch:
     def model_inputs(self, device: torch.device, float_dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """The model's keyword arguments on ``device`` (asynchronous copies from pinned memory), floating
         tensors (pixels) in the model's dtype. A packed batch goes without attention_mask: transformers
-        then separates the samples by their restarting position_ids (ntil_ds/data/packing.py)."""
-        skip = {*NOT_MODEL_INPUTS, *(("attention_mask",) if self.packed else ())}
+        then separates the samples by their restarting position_ids (ntil_ds/data/packing.py); so does a
+        sequence slice, whose attention (DeepSpeed Ulysses) masks causally by the gathered position_ids."""
+        skip = {*NOT_MODEL_INPUTS, *(("attention_mask",) if self.packed or self.sequence else ())}
         return {
             key: value.to(
                 device, dtype=float_dtype if value.is_floating_point() else value.dtype, non_blocking=True
@@ -71,8 +75,32 @@ class MicroBatch:
         """The same inputs with every target ignored: a filler forward that trains and scores nothing (a
         rank with fewer evaluation samples runs it so every rank runs as many forwards)."""
         tensors = dict(self.tensors, targets=torch.full_like(self.targets, IGNORE_INDEX))
-        return MicroBatch(sample_ids=[], tensors=tensors)
+        return MicroBatch(sample_ids=[], tensors=tensors, sequence=self.sequence)
 
     def pin_memory(self) -> MicroBatch:
         """Called by the data loader's pinning thread (``pin_memory=True`` on CUDA)."""
-        return MicroBatch(self.sample_ids, {key: value.pin_memory() for key, value in self.tensors.items()})
+        pinned = {key: value.pin_memory() for key, value in self.tensors.items()}
+        return MicroBatch(self.sample_ids, pinned, sequence=self.sequence)
+
+    def slice_sequence(self, rank: int, size: int) -> MicroBatch:
+        """This rank's part of the rows split over ``size`` sequence-parallel ranks: every ``[B, T]``
+        tensor padded to a multiple of ``size`` (ignored targets, masked tokens) and cut to positions
+        ``[rank * L, (rank + 1) * L)``, with the rows' ``position_ids`` (which the attention gathers to
+        mask causally). Counts (targets, input tokens) are then this slice's: they add up over the group."""
+        if self.packed:
+            raise ValueError("a packed micro-batch cannot be split on the sequence dimension")
+        batch, length = self.targets.shape
+        where = SequenceSlice.of(length, rank, size)
+        tensors = dict(self.tensors)
+        tensors.setdefault("position_ids", torch.arange(length).expand(batch, length))
+        local = {}
+        for key, value in tensors.items():
+            if value.shape[:2] != (batch, length):
+                raise ValueError(
+                    f"{key} {tuple(value.shape)} is not laid out by position [B={batch}, T={length}, ...]: "
+                    "sequence parallelism splits text-only batches (images are not split)"
+                )
+            fill = IGNORE_INDEX if key == "targets" else 0
+            pad = value.new_full((batch, where.padded_length - length, *value.shape[2:]), fill)
+            local[key] = torch.cat([value, pad], dim=1)[:, where.start : where.stop]
+        return MicroBatch(self.sample_ids, local, sequence=where)

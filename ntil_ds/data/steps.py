@@ -42,7 +42,10 @@ class StepBatches(torch.utils.data.Dataset):
         samples_per_rank: int,
         micro_batch_size: int,
         max_tokens: int = 0,
+        sequence_slice: tuple[int, int] | None = None,
     ) -> None:
+        """``sequence_slice``: (rank, size) of this rank in its sequence-parallel group: every micro-batch
+        is this rank's slice of the rows (``MicroBatch.slice_sequence``)."""
         if max_tokens == 0 and samples_per_rank % micro_batch_size:
             raise ValueError(
                 f"{samples_per_rank} samples per step do not split into micro-batches of {micro_batch_size}"
@@ -53,6 +56,7 @@ class StepBatches(torch.utils.data.Dataset):
         self.samples_per_rank = samples_per_rank
         self.micro_batch_size = micro_batch_size
         self.max_tokens = max_tokens
+        self.sequence_slice = sequence_slice
         self.start_consumed = sampler.consumed_samples  # frozen: items are a function of k alone
 
     def step_groups(self, k: int) -> list[list[int]]:
@@ -77,7 +81,12 @@ class StepBatches(torch.utils.data.Dataset):
         return [self.dataset.num_tokens(i) for i in ids]
 
     def __getitem__(self, k: int) -> list[MicroBatch]:
-        return [MicroBatch(ids, self.collate([self.dataset[i] for i in ids])) for ids in self.step_groups(k)]
+        batches = [
+            MicroBatch(ids, self.collate([self.dataset[i] for i in ids])) for ids in self.step_groups(k)
+        ]
+        if self.sequence_slice is None:
+            return batches
+        return [batch.slice_sequence(*self.sequence_slice) for batch in batches]
 
     def __len__(self) -> int:  # endless; DataLoader only asks when it has no sampler
         raise TypeError("StepBatches is endless")

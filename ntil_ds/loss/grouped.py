@@ -42,20 +42,11 @@ class GroupedNTILLoss(NTILLoss):
     def __repr__(self) -> str:
         return f"Grouped{super().__repr__()[:-1]}, widths={self.number_token_table.widths})"
 
-    def position_targets_and_noise(self, labels, dtype, generator):
-        """As NTILLoss's, with noise `[B*T, 2 * 10**max_width]` (REL's sample, then MAG's); `[B*T, 20]`, drawn
-        identically, when the table has width 1 only."""
-        labels = labels.long()
-        labelled = labels != self.ignore_index
-        targets = torch.where(labelled, torch.where(labels < 0, torch.iinfo(torch.long).max, labels), -1)
-        noise = None
-        if self.uses_gumbel and self.gumbel_noise_scale > 0:
-            exponential = torch.empty(
-                labels.numel(), 2 * self.number_token_table.noise_half, dtype=dtype, device=labels.device
-            )
-            exponential.exponential_(generator=generator)
-            noise = -exponential.log() * self.gumbel_noise_scale
-        return targets.flatten(), noise
+    @property
+    def noise_width(self) -> int:
+        """`2 * 10**max_width` (REL's sample, then MAG's); 20, drawn identically, when the table has width 1
+        only."""
+        return 2 * self.number_token_table.noise_half
 
     def number_stage_for(self, columns: torch.Tensor) -> str:
         stage = resolve_number_stage(self.number_stage, columns.dtype, columns.device)

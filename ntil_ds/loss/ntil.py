@@ -27,10 +27,12 @@ from ntil_ds.loss.number_terms import (
     kernel_number_terms,
     number_stage,
     number_tables,
+    per_sample_sums,
     resolve_number_stage,
     torch_number_terms,
 )
 from ntil_ds.loss.numbers import NumberParams
+from ntil_ds.loss.sequence_shards import SequenceShard, loss_over_shards, noise_for_slice
 from ntil_ds.loss.vocab_stats import check_kernel_choice, compute_dtype, position_stats
 
 # Added to NTIL in the rescaling factor CE / (NTIL + eps), as in the reference.
@@ -288,17 +290,22 @@ class NTILLoss:
         generator: torch.Generator | None = None,
         unpack_index: torch.Tensor | None = None,
         step: int | None = None,
+        sequence: SequenceShard | None = None,
     ) -> NTILOutput:
         """Loss of one micro-batch. See the class docstring; no host sync, any B and T.
 
         `unpack_index [S, L]` (packed rows, see `ntil_ds.data.packing`): the flat position of each of S
         samples' tokens, -1 past a sample's end. The number terms then see one sequence per sample (their
         means are per sample, as unpacked); the cross-entropy does not depend on the layout.
+        `sequence`: the logits and labels are this rank's slice of rows split over a sequence-parallel
+        group (`ntil_ds.loss.sequence_shards`); the result is this rank's share of the rows' loss.
         """
         self._check_inputs(logits, labels, process_group, vocab_start)
         batch, length, local_vocab = logits.shape
         labels = labels.long()
-        targets, noise = self.position_targets_and_noise(labels, compute_dtype(logits.dtype), generator)
+        targets, noise = self.position_targets_and_noise(
+            labels, compute_dtype(logits.dtype), generator, sequence
+        )
         # Vocabulary shards: the first rank's noise reaches every rank inside the SUM all-reduce.
         ce, columns, row_max, received = position_stats(
             logits.reshape(batch * length, local_vocab),
@@ -311,28 +318,43 @@ class NTILLoss:
         )
         if process_group is not None:
             noise = received
-        return self.from_position_stats(labels, ce, columns, row_max, noise, unpack_index, step)
+        return self.from_position_stats(labels, ce, columns, row_max, noise, unpack_index, step, sequence)
 
     def column_ids_on(self, device: torch.device) -> torch.Tensor:
         """The token ids whose logits stage 2 reads (the ten digits, then the minus sign in signed mode),
         the int64 tensor on ``device`` that stage 1 gathers (made once per device: no copy per call)."""
         return self._device_constants(device)[1]
 
+    @property
+    def noise_width(self) -> int:
+        """Gumbel numbers drawn per position: REL's sample of the ten digits, then MAG's."""
+        return 2 * 10
+
     def position_targets_and_noise(
-        self, labels: torch.Tensor, dtype: torch.dtype, generator: torch.Generator | None
+        self,
+        labels: torch.Tensor,
+        dtype: torch.dtype,
+        generator: torch.Generator | None,
+        sequence: SequenceShard | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Stage 1's inputs for ``[B, T]`` labels: flat targets ``[B*T]`` (-1 = no label; other negative
         ids are invalid and must show up as NaN) and the Gumbel noise ``[B*T, 20]`` in ``dtype`` drawn from
-        ``generator`` (None when no term uses it). The labelled head takes both at its rows."""
+        ``generator`` (None when no term uses it). The labelled head takes both at its rows. With
+        ``sequence`` the noise is drawn for the whole rows and this slice's part returned."""
         labels = labels.long()
         labelled = labels != self.ignore_index
         targets = torch.where(labelled, torch.where(labels < 0, torch.iinfo(torch.long).max, labels), -1)
-        noise = None
-        if self.uses_gumbel and self.gumbel_noise_scale > 0:
-            exponential = torch.empty(labels.numel(), 2 * 10, dtype=dtype, device=labels.device)
+
+        def draw(num_positions: int, generator: torch.Generator | None) -> torch.Tensor | None:
+            if not (self.uses_gumbel and self.gumbel_noise_scale > 0):
+                return None
+            exponential = torch.empty(num_positions, self.noise_width, dtype=dtype, device=labels.device)
             exponential.exponential_(generator=generator)
-            noise = -exponential.log() * self.gumbel_noise_scale
-        return targets.flatten(), noise
+            return -exponential.log() * self.gumbel_noise_scale
+
+        if sequence is not None:
+            return targets.flatten(), noise_for_slice(draw, labels.shape[0], sequence, generator)
+        return targets.flatten(), draw(labels.numel(), generator)
 
     def from_position_stats(
         self,
@@ -343,9 +365,14 @@ class NTILLoss:
         noise: torch.Tensor | None,
         unpack_index: torch.Tensor | None = None,
         step: int | None = None,
+        sequence: SequenceShard | None = None,
     ) -> NTILOutput:
         """The loss from stage 1's per-position results over ``[B, T]`` labels (``[B*T]`` ce and row max,
-        ``[B*T, C]`` columns, the noise as stage 1 passed it on): the number stage and the combination."""
+        ``[B*T, C]`` columns, the noise as stage 1 passed it on): the number stage and the combination.
+        With ``sequence``: this rank's share of the loss of the whole rows (``loss_over_shards``)."""
+        if sequence is not None:
+            whole_rows = functools.partial(self.from_position_stats, unpack_index=unpack_index, step=step)
+            return loss_over_shards(whole_rows, labels, ce, columns, row_max, noise, sequence)
         labels = labels.long()
         labelled = labels != self.ignore_index
         num_tokens = labelled.sum()
@@ -367,7 +394,7 @@ class NTILLoss:
             if self.ntil_ratio == "sample":
                 # Each sample's NTIL rescaled to its own summed CE, over the batch's tokens: the value stays
                 # (1 + lambda) * ce_mean and no sample's gradient depends on the others of its micro-batch.
-                ce_per_sample = _per_sample_sums(ce.reshape(labels.shape), unpack_index)
+                ce_per_sample = per_sample_sums(ce.reshape(labels.shape), unpack_index)
                 rescale = (ce_per_sample / (ntil_per_sequence + _RESCALE_EPS)).detach()
                 loss = ce_mean + weight * (rescale * ntil_per_sequence).sum() / num_tokens.clamp(min=1)
             else:
@@ -417,13 +444,3 @@ class NTILLoss:
         return torch_number_terms(
             self._params, run, labels, columns, row_max, noise, unpack_index, digit_ids, place_values
         )
-
-
-def _per_sample_sums(values: torch.Tensor, unpack_index: torch.Tensor | None) -> torch.Tensor:
-    """``[S]``: per sequence (a row, or a packed sample of ``unpack_index [S, L]``), the sum of the
-    ``[B, T]`` per-position values (0 at unlabelled positions)."""
-    if unpack_index is None:
-        return values.sum(dim=1)
-    flat = values.reshape(-1)
-    inside = unpack_index >= 0
-    return torch.where(inside, flat[unpack_index.clamp(min=0)], flat.new_zeros(())).sum(dim=1)

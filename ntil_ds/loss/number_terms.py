@@ -253,3 +253,13 @@ class _KernelNumberTerms(torch.autograd.Function):
             ctx.params, grad_ntil, grad_parts, columns, noise, unpack_index, digit_ids, tables, saved
         )
         return grad_columns, None, None, None, None, None, None, None
+
+
+def per_sample_sums(values: torch.Tensor, unpack_index: torch.Tensor | None) -> torch.Tensor:
+    """``[S]``: per sequence (a row, or a packed sample of ``unpack_index [S, L]``), the sum of the
+    ``[B, T]`` per-position values (0 at unlabelled positions)."""
+    if unpack_index is None:
+        return values.sum(dim=1)
+    flat = values.reshape(-1)
+    inside = unpack_index >= 0
+    return torch.where(inside, flat[unpack_index.clamp(min=0)], flat.new_zeros(())).sum(dim=1)

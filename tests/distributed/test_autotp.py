@@ -13,7 +13,6 @@ fp32 throughout: the tp=2 losses must equal the tp=1 losses (the loss then ran s
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -21,11 +20,10 @@ import pytest
 from tests.distributed.tiny_llm import tiny_qwen2_folder, write_sum_data
 from tests.distributed.training_runs import (
     REPO_ROOT,
-    TINY_RECIPE,
     TRAIN_SCRIPT,
+    finish_training,
     launch_env,
-    launcher_command,
-    train_args,
+    start_training,
     train_metrics,
 )
 
@@ -37,27 +35,6 @@ STEPS = 5
 MICRO_BATCH = 2
 JOB_TIMEOUT_S = 360
 EXTRA_VOCAB_ROWS = 3  # 512 tokens + 3 = 515 rows: shards of 258 and 257
-
-
-def _start(nproc: int, script: Path, overrides: dict[str, object], env: dict[str, str]) -> subprocess.Popen:
-    return subprocess.Popen(
-        launcher_command("torchrun", nproc, script, train_args(TINY_RECIPE, overrides)),
-        cwd=REPO_ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-
-
-def _finish(job: subprocess.Popen) -> tuple[int, str]:
-    try:
-        output, _ = job.communicate(timeout=JOB_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        job.kill()
-        output, _ = job.communicate()
-        pytest.fail(f"training job did not finish in {JOB_TIMEOUT_S} s:\n{output[-4000:]}")
-    return job.returncode, output
 
 
 @pytest.fixture(scope="module")
@@ -106,21 +83,21 @@ def runs(tmp_path_factory) -> dict[str, object]:
     probe_dir.mkdir()
     # All three at once: on 2 cores most of a job is start-up (imports, process groups), which overlaps.
     jobs = {
-        "tp2": _start(
+        "tp2": start_training(
             2,
             PROBE_SCRIPT,
             {**common, "deepspeed": AUTOTP_JSON, "output_dir": root / "tp2"},
             launch_env(LOGITS_PROBE_DIR=str(probe_dir)),
         ),
-        "tp1": _start(1, TRAIN_SCRIPT, {**common, "output_dir": root / "tp1"}, launch_env()),
-        "gathered_head": _start(
+        "tp1": start_training(1, TRAIN_SCRIPT, {**common, "output_dir": root / "tp1"}, launch_env()),
+        "gathered_head": start_training(
             2,
             TRAIN_SCRIPT,
             {**common, "deepspeed": no_vocab_parallel, "output_dir": root / "gathered_head"},
             launch_env(),
         ),
     }
-    finished = {name: _finish(job) for name, job in jobs.items()}
+    finished = {name: finish_training(job, JOB_TIMEOUT_S) for name, job in jobs.items()}
     return {"root": root, "probe_dir": probe_dir, "vocab_rows": len(tokenizer) + EXTRA_VOCAB_ROWS, **finished}
 
 

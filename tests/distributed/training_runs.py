@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 from PIL import Image, ImageDraw
 
 from ntil_ds import jobs
@@ -51,6 +52,32 @@ def run_training(
         env=env or launch_env(),
         timeout=timeout,
     )
+
+
+def start_training(
+    nproc: int, script: Path, overrides: dict[str, object], env: dict[str, str], recipe: Path = TINY_RECIPE
+) -> subprocess.Popen:
+    """A job started and left running (several at once overlap their start-up on 2 cores); see
+    :func:`finish_training`."""
+    return subprocess.Popen(
+        launcher_command("torchrun", nproc, script, train_args(recipe, overrides)),
+        cwd=REPO_ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def finish_training(job: subprocess.Popen, timeout: float = LAUNCH_TIMEOUT_S) -> tuple[int, str]:
+    """A started job's exit code and output (stdout+stderr), once it ended; killed past ``timeout``."""
+    try:
+        output, _ = job.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        job.kill()
+        output, _ = job.communicate()
+        pytest.fail(f"training job did not finish in {timeout} s:\n{output[-4000:]}")
+    return job.returncode, output
 
 
 def kill_after_checkpoint(

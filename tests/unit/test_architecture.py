@@ -23,7 +23,14 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "ntil_ds"
 CODE_FOLDERS = ("ntil_ds", "launch", "benchmarks")
 LEAF_PACKAGES = ("loss", "data", "model", "tiny")
-FOUNDATION = ("typed_config", "config_lora", "config", "dist", "constants")  # each on those before it only
+FOUNDATION = (
+    "typed_config",
+    "config_lora",
+    "config_parallel",
+    "config",
+    "dist",
+    "constants",
+)  # each on those before it only
 LIBRARY_FILE_LINES = 450
 TRAINER_LINES = 400
 TRAIN_STEP_LINES = 60

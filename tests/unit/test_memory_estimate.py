@@ -223,6 +223,21 @@ def test_lora_and_qlora_shrink_what_they_should():
     assert qlora.total < lora.total < full.total
 
 
+def test_sequence_parallelism_divides_the_activations_and_logits_by_its_size():
+    name = "Qwen/Qwen2.5-7B-Instruct"
+    ds = {"zero_optimization": {"stage": 3}}
+    common = ["model.kind=llm", "data.max_seq_len=65536", "model.gradient_checkpointing=true"]
+    whole = estimate(_cfg(name, *common), ds, gpus=8, gpu_memory_gb=80)
+    sliced = estimate(_cfg(name, *common, "parallel.sequence_parallel_size=4"), ds, gpus=8, gpu_memory_gb=80)
+    per_token, recompute = activation_bytes_per_token(hf_config_for(name), "bfloat16", checkpointing=True)
+    assert sliced.activations == pytest.approx(65536 / 4 * (per_token + recompute))
+    assert whole.activations == pytest.approx(4 * sliced.activations)
+    assert sliced.logits_and_loss <= whole.logits_and_loss
+    # ZeRO-3 still shards the model states over all 8 ranks (the data- and sequence-parallel ones)
+    for part in ("weights", "gradients", "optimizer_states"):
+        assert getattr(sliced, part) == getattr(whole, part), part
+
+
 def test_lora_head_choices_count_what_they_train():
     """lora.head on Qwen3-VL-8B (V = 151936, H = 4096): full trains the V x H head and keeps peft's frozen
     copy of it; number_rows trains k x H (the ten digits, + '-' and '.' when NTIL reads them); frozen
