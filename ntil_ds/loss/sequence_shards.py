@@ -27,7 +27,6 @@ import torch.distributed as dist
 import torch.distributed.nn.functional as dist_nn
 
 from ntil_ds.constants import IGNORE_INDEX
-from ntil_ds.dist import SequenceSlice
 
 
 @dataclass(frozen=True)
@@ -35,7 +34,7 @@ class SequenceShard:
     """A micro-batch's slice on this rank (``slice``) and the group of ranks holding the others."""
 
     group: Any  # torch.distributed.ProcessGroup of the sequence-parallel ranks
-    slice: SequenceSlice
+    slice: Any  # ntil_ds.dist.SequenceSlice (not imported: the loss runs without the config stack)
 
     @property
     def local_length(self) -> int:
