@@ -126,12 +126,21 @@ class SequenceSlice:
         return cls(rank=rank, size=size, length=length, padded_length=-(-length // size) * size)
 
     @property
+    def local_length(self) -> int:
+        return self.padded_length // self.size
+
+    @property
     def start(self) -> int:
-        return self.rank * (self.padded_length // self.size)
+        return self.rank * self.local_length
 
     @property
     def stop(self) -> int:
-        return self.start + self.padded_length // self.size
+        return self.start + self.local_length
+
+    def part(self, full: torch.Tensor, fill: float = 0) -> torch.Tensor:
+        """This slice's positions of ``full [B, length, ...]``, the rows padded with ``fill``."""
+        pad = full.new_full((full.shape[0], self.padded_length - self.length, *full.shape[2:]), fill)
+        return torch.cat([full, pad], dim=1)[:, self.start : self.stop]
 
 
 def check_parallel_layout(info: DistInfo, tp_group: Sequence[int], dp_group: Sequence[int]) -> None:

@@ -100,7 +100,5 @@ class MicroBatch:
                     f"{key} {tuple(value.shape)} is not laid out by position [B={batch}, T={length}, ...]: "
                     "sequence parallelism splits text-only batches (images are not split)"
                 )
-            fill = IGNORE_INDEX if key == "targets" else 0
-            pad = value.new_full((batch, where.padded_length - length, *value.shape[2:]), fill)
-            local[key] = torch.cat([value, pad], dim=1)[:, where.start : where.stop]
+            local[key] = where.part(value, fill=IGNORE_INDEX if key == "targets" else 0)
         return MicroBatch(self.sample_ids, local, sequence=where)

@@ -105,9 +105,8 @@ class CachedConversationDataset(torch.utils.data.Dataset):
                 with lock.held(exclusive=False):
                     arrays, _ = check(folder, key)
                 if arrays is None and helped is not None:
-                    with contextlib.suppress(
-                        Aborted
-                    ):  # killed: this rank builds; failed: its error, here too
+                    # killed: this rank builds; failed: its error, here too
+                    with contextlib.suppress(Aborted):
                         helped.check()
                 if arrays is None:
                     lock.take(exclusive=True)  # one builder; the others wait, then reuse

@@ -38,15 +38,11 @@ class SequenceShard:
 
     @property
     def local_length(self) -> int:
-        return self.slice.padded_length // self.slice.size
+        return self.slice.local_length
 
     def local_part(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's positions of ``full [B, length, ...]`` (padded with zeros to the padded length)."""
-        s = self.slice
-        pad = s.padded_length - s.length
-        if pad:
-            full = torch.cat([full, full.new_zeros((full.shape[0], pad, *full.shape[2:]))], dim=1)
-        return full[:, s.start : s.stop]
+        return self.slice.part(full)
 
     def gather(self, local: torch.Tensor, *, differentiable: bool) -> torch.Tensor:
         """COLLECTIVE over the group: ``[B, local_length, ...]`` of every rank -> ``[B, length, ...]``, the
