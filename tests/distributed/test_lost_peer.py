@@ -1,5 +1,5 @@
 """A lost peer, on 3 real gloo processes: rank 2 stops answering (as a node cut off the network would),
-ranks 0 and 1 see their collective time out, recognize the error (ntil_ds.dist.is_communication_error,
+ranks 0 and 1 see their collective fail (a timeout, or the closed connection a peer's timeout left), recognize the error (ntil_ds.dist.is_communication_error,
 is_timeout) and rank 0's roll call (unanswering_ranks) names rank 2. The two-node SLURM test
 (tests/slurm/test_multinode_jobs.py) does the same with a real cut link, at minutes' cost; this one
 runs in seconds."""
@@ -58,9 +58,14 @@ def test_timed_out_collective_is_recognized_and_the_roll_call_names_the_silent_r
         _rank_main, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=WORLD, start_method="spawn"
     )
     results = {rank: json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)}
+    # Promised: each waiting rank's collective fails with a communication error. Which one is a race: the
+    # rank whose timeout fires first sees "Timed out", and its peer may then see "Connection closed by
+    # peer" (the first rank's abort closed their pair) before its own timeout fires. Nothing closes a
+    # connection before some rank has timed out, so at least one of them saw the timeout.
     for rank, result in results.items():
         assert result["error"] is not None, f"rank {rank}: the collective with a silent peer did not fail"
-        assert result["communication"] and result["timeout"], result
+        assert result["communication"], result
+    assert any(result["timeout"] for result in results.values()), results
     assert results[0]["roll_call"] == f"ranks {LOST} of {WORLD} did not answer within 3 s", results[0]
     assert results[1]["roll_call"].startswith("answered rank 0's roll call"), results[1]
 
