@@ -37,12 +37,14 @@ import argparse
 import sys
 from pathlib import Path
 
-from ntil_ds.comparison.grid import Comparison, plan_comparison, prepare_inputs
+from ntil_ds.comparison.grid import Comparison, GridStopped, plan_comparison, prepare_inputs
 from ntil_ds.comparison.lr_select import parse_lr_grid
 from ntil_ds.comparison.merge import merge_comparisons
 from ntil_ds.comparison.results import parse_loss_specs, parse_seeds
 from ntil_ds.config import ConfigError
 from ntil_ds.jobs import REPO_ROOT
+
+DEFAULT_JOBS = 2
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,6 +82,28 @@ def main(argv: list[str] | None = None) -> int:
         "--select-seed", type=int, help="train.seed of the lr selection runs (not in --seeds)"
     )
     parser.add_argument(
+        "--jobs",
+        type=int,
+        default=DEFAULT_JOBS,
+        help=f"training jobs at once, each with the cores shared out (default {DEFAULT_JOBS}: the faster on "
+        "2 cores, docs/comparison.md)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        help="threads per training rank, the same for every job (default: cores / (jobs x nproc)); a grid "
+        "started again must use the same",
+    )
+    parser.add_argument("--runs", help="where the jobs' folders go (exports, logs; default OUT/runs)")
+    parser.add_argument(
+        "--records",
+        help="where each finished job's small record goes, read by a grid started again and by --merge "
+        "(default OUT/records)",
+    )
+    parser.add_argument(
+        "--retry-failed", action="store_true", help="train again the jobs whose record says they failed"
+    )
+    parser.add_argument(
         "overrides", nargs="*", help="recipe overrides for every run, e.g. train.max_steps=50"
     )
     parser.add_argument(
@@ -115,11 +139,19 @@ def main(argv: list[str] | None = None) -> int:
             shuffled_n=args.shuffled_n,
             lr_grid=parse_lr_grid(args.lr_grid),
             select_seed=args.select_seed,
+            jobs=args.jobs,
+            threads=args.threads,
+            runs_dir=Path(args.runs).resolve() if args.runs else None,
+            records=Path(args.records).resolve() if args.records else None,
+            retry_failed=args.retry_failed,
         )
         report = Comparison(plan).run()
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    except GridStopped as e:
+        print(f"compare.py: stopped by {e}", file=sys.stderr)
+        return 143 if str(e) == "SIGTERM" else 130
     return 1 if report["failed"] else 0
 
 

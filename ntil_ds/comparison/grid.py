@@ -12,12 +12,15 @@ fails is reported in all of them, never dropped.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
+import subprocess
+import sys
 import time
-import traceback
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from ntil_ds.comparison.controls import (
@@ -30,6 +33,15 @@ from ntil_ds.comparison.controls import (
 )
 from ntil_ds.comparison.lr_select import check_selection, pick_lr, selection_label
 from ntil_ds.comparison.paired import EVAL_FILE, paired_markdown, paired_metrics, paired_report
+from ntil_ds.comparison.records import (
+    check_grid,
+    content_digest,
+    identity_key,
+    read_record,
+    record_path,
+    record_result,
+    resolved_recipe,
+)
 from ntil_ds.comparison.results import (
     RunResult,
     change_error,
@@ -40,10 +52,11 @@ from ntil_ds.comparison.results import (
     table_markdown,
 )
 from ntil_ds.comparison.splits import refuse_overlap, split_hash
-from ntil_ds.config import ConfigError, load_config, redact_uri
+from ntil_ds.comparison.worker import TRAINED_FILE
+from ntil_ds.config import ConfigError, load_config, redact_uri, to_dict
 from ntil_ds.data.synthetic import write_dataset
-from ntil_ds.evaluation.generate import score_exported_model, task_of, write_report
-from ntil_ds.jobs import log_tail, run_training_job
+from ntil_ds.evaluation.generate import task_of
+from ntil_ds.jobs import REPO_ROOT, job_env, log_tail
 from ntil_ds.scoring import HIGHER_IS_BETTER, metrics_shown
 from ntil_ds.tiny import build_tiny_model_folder
 from ntil_ds.tracking import resolve_tracking_uri, take_uri_credentials
@@ -96,6 +109,53 @@ class ComparisonPlan:
     select_seed: int | None = None
     val_split: Path | None = None
     val_split_sha256: str = ""
+    # Where the big things go (each job's folder: export, logs, checkpoints), and the small records a
+    # started-again grid and --merge read (comparison.records); default out/runs and out/records.
+    runs_dir: Path | None = None
+    records: Path | None = None
+    jobs: int = 1  # training jobs at once
+    threads: int = 1  # per rank, every job the same
+    retry_failed: bool = False  # train again the jobs whose record says they failed
+    digests: dict[str, str] = field(default_factory=dict)  # data and model paths -> content sha256
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "runs_dir", self.runs_dir or self.out / "runs")
+        object.__setattr__(self, "records", self.records or self.out / "records")
+
+    def grid_identity(self) -> dict:
+        """What the whole grid is: a grid started again on the same records must be this one
+        (comparison.records.check_grid). Seeds may be added (a grid extended); not so the rest."""
+        cfg = load_config(self.recipe, self.base_overrides)
+        return {
+            "name": self.name,
+            "recipe": resolved_recipe(to_dict(cfg), self.digests),
+            "task": self.task,
+            "losses": [[label, overrides] for label, _, overrides in self.specs],
+            "lr_grid": self.lr_grid,
+            "select_seed": self.select_seed,
+            "test_split_sha256": self.test_split_sha256,
+            "val_split_sha256": self.val_split_sha256,
+            "train_splits_sha256": [self.digests.get(str(train)) for train in self.train_splits],
+            "shuffled_n": self.shuffled_n,
+            "nproc": self.nproc,
+            "threads": self.threads,
+        }
+
+    def job_identity(self, job, cfg_dict: dict) -> dict:
+        """What decides one job's result (comparison.records): its resolved recipe, data by content, the
+        split it is scored on, processes and threads."""
+        select = job.kind == "select"
+        return {
+            "kind": job.kind,
+            "label": job.label,
+            "seed": job.seed,
+            "lr": job.lr,
+            "recipe": resolved_recipe(cfg_dict, self.digests),
+            "score_split_sha256": self.val_split_sha256 if select else self.test_split_sha256,
+            "shuffled_n": 0 if select else self.shuffled_n,
+            "nproc": self.nproc,
+            "threads": self.threads,
+        }
 
     @property
     def baseline(self) -> str:
@@ -105,10 +165,10 @@ class ComparisonPlan:
         return f"{self.name}/{slug(label)}-seed{seed}"
 
     def run_dir(self, label: str, seed: int) -> Path:
-        return self.out / "runs" / f"{slug(label)}-seed{seed}"
+        return self.runs_dir / f"{slug(label)}-seed{seed}"
 
     def select_dir(self, name: str) -> Path:
-        return self.out / "runs" / "select" / f"{slug(name)}-seed{self.select_seed}"
+        return self.runs_dir / "select" / f"{slug(name)}-seed{self.select_seed}"
 
 
 def plan_comparison(
@@ -125,9 +185,18 @@ def plan_comparison(
     shuffled_n: int = 200,
     lr_grid: list[float] | None = None,
     select_seed: int | None = None,
+    jobs: int = 1,
+    threads: int | None = None,
+    runs_dir: Path | None = None,
+    records: Path | None = None,
+    retry_failed: bool = False,
 ) -> ComparisonPlan:
-    """Check the recipe once (a bad recipe or override fails here, not in every job) and fix the plan."""
+    """Check the recipe once (a bad recipe or override fails here, not in every job) and fix the plan.
+    ``threads`` per rank: default the machine's cores shared by ``jobs`` jobs of ``nproc`` ranks."""
     cfg = load_config(recipe, overrides)
+    if jobs < 1 or (threads is not None and threads < 1):
+        raise SystemExit(f"--jobs and --threads must be at least 1; got --jobs {jobs} --threads {threads}")
+    threads = threads or max(1, len(os.sched_getaffinity(0)) // (jobs * nproc))
     lr_grid = lr_grid or []
     check_selection(lr_grid, select_seed, seeds)
     trains = [Path(cfg.data.train_file)] if cfg.data.train_file else [Path(s.file) for s in cfg.data.mixture]
@@ -180,7 +249,41 @@ def plan_comparison(
         select_seed=select_seed,
         val_split=val,
         val_split_sha256=val_hash,
+        runs_dir=runs_dir,
+        records=records,
+        jobs=jobs,
+        threads=threads,
+        retry_failed=retry_failed,
+        digests=_content_digests(cfg, [*trains, test]),
     )
+
+
+def _content_digests(cfg, splits: list[Path]) -> dict[str, str]:
+    """path -> sha256 of the data and model a job's identity names by content (comparison.records)."""
+    paths = [str(split) for split in splits]
+    paths += [p for p in (cfg.data.eval_file, cfg.model.name_or_path) if p]
+    paths += [source.file for source in cfg.data.mixture]
+    return {p: content_digest(Path(p)) for p in dict.fromkeys(paths) if Path(p).exists()}
+
+
+@dataclass
+class GridJob:
+    """One training job of the grid and where its record goes; ``lr`` None: the recipe's, or the pick."""
+
+    kind: str  # "paired" (scored on test) or "select" (an lr selection run, scored on validation)
+    label: str  # the loss spec, as given
+    loss: str
+    loss_overrides: list[str]
+    seed: int
+    lr: float | None = None
+
+    @property
+    def name(self) -> str:  # the run's label in the outputs: "ntil" or "ntil@lr=0.0003"
+        return selection_label(self.label, self.lr) if self.kind == "select" else self.label
+
+
+class GridStopped(Exception):
+    """SIGTERM or SIGINT reached compare.py: the jobs in flight are stopped, every finished record stays."""
 
 
 @dataclass
@@ -190,7 +293,9 @@ class Comparison:
     started: float = field(default_factory=time.perf_counter)
     controls: dict | None = None
     selection_runs: list[RunResult] = field(default_factory=list)
-    lr_selection: dict | None = None  # results.json's record of the choice (select_lrs)
+    lr_selection: dict | None = None  # results.json's record of the choice
+    picked: dict[str, float | None] = field(default_factory=dict)  # the lr chosen per loss
+    resumed: int = 0  # jobs whose record an earlier invocation left
 
     def prepare_controls(self) -> dict | None:
         """The constants scored on the test split, and the shuffled split with its chance level (written
@@ -202,7 +307,7 @@ class Comparison:
             print(f"note: no answer-ignoring controls ({e})", flush=True)
             return None
         shuffled = plan.shuffled_n > 0 and write_shuffled_split(
-            plan.test_split, plan.out / SHUFFLED_FILE, plan.shuffled_n
+            plan.test_split, plan.runs_dir / SHUFFLED_FILE, plan.shuffled_n
         )
         if shuffled:
             controls["shuffled"] = shuffled | {
@@ -210,10 +315,28 @@ class Comparison:
             }
         return controls
 
-    def run(self) -> dict:
-        """Every (loss, seed), seed-major (a grid cut short still has every loss for the first seeds);
-        returns the final report."""
+    def jobs(self) -> list[GridJob]:
+        """Every job in the order they start: the lr selection runs, then the paired runs seed-major (a
+        grid cut short still has every loss for the first seeds)."""
         plan = self.plan
+        select = [
+            GridJob("select", label, loss, overrides, plan.select_seed, lr)
+            for label, loss, overrides in plan.specs
+            for lr in plan.lr_grid
+        ]
+        paired = [
+            GridJob("paired", label, loss, overrides, seed)
+            for seed in plan.seeds
+            for label, loss, overrides in plan.specs
+        ]
+        return [*select, *paired]
+
+    def run(self) -> dict:
+        """Every job not finished by an earlier invocation on the same records, up to ``plan.jobs`` at
+        once; the outputs rewritten after each. Returns the final report."""
+        plan = self.plan
+        earlier = check_grid(plan.records, plan.grid_identity())
+        self.plan = plan = replace(plan, name=earlier["name"])
         mlflow_runs = ComparisonRuns(
             plan.uri,
             plan.experiment,
@@ -223,48 +346,197 @@ class Comparison:
                 "losses": ",".join(label for label, _, _ in plan.specs),
                 "seeds": ",".join(map(str, plan.seeds)),
                 "nproc": str(plan.nproc),
+                "threads": str(plan.threads),
                 "overrides": " ".join(plan.base_overrides),
                 "test_split": str(plan.test_split),
                 "task": plan.task,
             },
+            parent_run_id=_earlier_parent(plan),
         )
-        total = len(plan.specs) * len(plan.seeds)
-        grid = f"{len(plan.specs)} losses x {len(plan.seeds)} seeds on {plan.task}"
-        print(f"comparison {plan.name}: {grid}; MLflow {plan.uri}", flush=True)
+        (plan.out / PARENT_FILE).write_text(json.dumps({"uri": plan.uri, "run_id": mlflow_runs.parent}))
+        pending = self.jobs()
+        print(
+            f"comparison {plan.name}: {len(plan.specs)} losses x {len(plan.seeds)} seeds on {plan.task}"
+            f"{f', {len(plan.specs) * len(plan.lr_grid)} lr selection runs' if plan.lr_grid else ''}; "
+            f"{plan.jobs} job(s) at once, {plan.threads} thread(s) a rank; records {plan.records}; "
+            f"MLflow {plan.uri}",
+            flush=True,
+        )
         self.controls = self.prepare_controls()
-        picked = self.select_lrs(mlflow_runs) if plan.lr_grid else {}
-        report = {}
-        for seed in plan.seeds:
-            for label, loss, loss_overrides in plan.specs:
-                run = RunResult(label=label, loss=loss, seed=seed, output_dir=str(plan.run_dir(label, seed)))
-                self.runs.append(run)
-                print(f"\n=== [{len(self.runs)}/{total}] {label} seed {seed} -> {run.output_dir}", flush=True)
-                if plan.lr_grid and picked[label] is None:
-                    run.status, run.stage = "failed", "lr_selection"
-                    run.error = f"no lr of {plan.lr_grid} gave a validation score on seed {plan.select_seed}"
-                else:
-                    lr = [f"optim.lr={picked[label]!r}"] if plan.lr_grid else []
-                    self.run_one(run, [*loss_overrides, *lr])
-                mlflow_runs.adopt(run, plan.run_name(label, seed))
-                shown = ", ".join(
-                    f"{m} {run.metrics[m]:.4g}" for m in plan.metrics if isinstance(run.metrics.get(m), float)
-                )
-                took = f"train {run.train_s or 0:.0f} s"
-                print(f"=== {label} seed {seed}: {run.status} {run.stage} {shown} ({took})", flush=True)
-                report = self.write(mlflow_runs.parent)
+        running: dict[subprocess.Popen, tuple[GridJob, Path]] = {}
+        previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            while pending or running:
+                for job in [j for j in pending if self.ready(j)]:
+                    if len(running) >= plan.jobs:
+                        break
+                    pending.remove(job)
+                    started = self.start(job, mlflow_runs)
+                    if started:
+                        running[started[0]] = (job, started[1])
+                done = [process for process in running if process.poll() is not None]
+                for process in done:
+                    job, record_file = running.pop(process)
+                    self.finish(job, self.collect(job, record_file, process.returncode), mlflow_runs)
+                if not done:
+                    time.sleep(0.5)
+        except GridStopped:
+            _stop_jobs(running)
+            mlflow_runs.client.set_terminated(mlflow_runs.parent, "KILLED")
+            print(f"\nstopped: every finished job's record is in {plan.records}; start the same command "
+                  "again to run the rest", flush=True)  # fmt: skip
+            raise
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        report = self.write(mlflow_runs.parent)
         finish_parent_run(mlflow_runs, plan.out, report)
         print(
             f"\n{(plan.out / 'table.md').read_text()}\nresults: {plan.out / 'results.json'}\n"
             f"plot:    {plan.out / 'comparison.png'}\nMLflow:  parent run {mlflow_runs.parent} in {plan.uri}\n"
-            f"wall time {report['wall_s']:.0f} s"
+            f"wall time {report['wall_s']:.0f} s ({self.resumed} job(s) from earlier records)"
         )
         return report
 
-    def select_lrs(self, mlflow_runs) -> dict[str, float | None]:
-        """Each loss at every lr of the grid on the selection seed, scored on the validation split; the
-        pick per loss (None: no lr gave a score). Recorded in ``self.lr_selection`` for results.json."""
+    def ready(self, job: GridJob) -> bool:
+        """A paired run starts once its loss's lr is chosen (all its selection runs finished)."""
+        return job.kind == "select" or not self.plan.lr_grid or job.label in self.picked
+
+    def overrides(self, job: GridJob) -> list[str]:
+        """The job's recipe overrides, less where it writes and tracks (what its identity sees)."""
+        lr = job.lr if job.kind == "select" else self.picked.get(job.label)
+        return [
+            *self.plan.base_overrides,
+            *job.loss_overrides,
+            *([f"optim.lr={lr!r}"] if lr is not None else []),
+            f"train.seed={job.seed}",
+            "train.export_at_end=true",
+        ]
+
+    def run_dir(self, job: GridJob) -> Path:
+        plan = self.plan
+        return plan.select_dir(job.name) if job.kind == "select" else plan.run_dir(job.label, job.seed)
+
+    def start(self, job: GridJob, mlflow_runs) -> tuple[subprocess.Popen, Path] | None:
+        """The job's worker process, or None when there is nothing to run: its record is there from an
+        earlier invocation, or its recipe is refused, or no lr of its loss gave a validation score."""
+        plan = self.plan
+        run_dir = self.run_dir(job)
+        run = RunResult(label=job.name, loss=job.loss, seed=job.seed, output_dir=str(run_dir))
+        if job.kind == "paired" and plan.lr_grid and self.picked[job.label] is None:
+            run.status, run.stage = "failed", "lr_selection"
+            run.error = f"no lr of {plan.lr_grid} gave a validation score on seed {plan.select_seed}"
+            self.finish(job, run, mlflow_runs)
+            return None
+        overrides = self.overrides(job)
+        try:  # a loss spec's bad override: this run fails, the others go on
+            cfg = load_config(plan.recipe, overrides)
+        except ConfigError as e:
+            run.status, run.stage, run.error = "failed", "config", str(e)
+            self.finish(job, run, mlflow_runs)
+            return None
+        identity = plan.job_identity(job, to_dict(cfg))
+        key = identity_key(identity)
+        record_file = record_path(plan.records, job.kind, job.name, job.seed)
+        record = read_record(record_file, key)
+        if record and not (plan.retry_failed and record["result"]["status"] != "ok"):
+            self.resumed += 1
+            self.finish(job, record_result(record, record_file), mlflow_runs, earlier=True)
+            return None
+        trained = run_dir / TRAINED_FILE
+        trained_earlier = trained.is_file() and json.loads(trained.read_text()).get("key") == key
+        if run_dir.exists() and not trained_earlier:
+            shutil.rmtree(run_dir)  # a job stopped in flight trains again from zero
+        run_dir.mkdir(parents=True, exist_ok=True)
+        spec = {
+            "key": key,
+            "identity": identity,
+            "kind": job.kind,
+            "label": job.name,
+            "loss": job.loss,
+            "seed": job.seed,
+            "recipe": str(plan.recipe),
+            "overrides": [
+                *overrides,
+                f"output_dir={run_dir}",
+                "resume=none",
+                "tracking.enabled=true",
+                f"tracking.uri={plan.uri}",
+                f"tracking.run_name={plan.run_name(job.name, job.seed)}",
+            ],
+            "nproc": plan.nproc,
+            "threads": plan.threads,
+            "run_dir": str(run_dir),
+            "task": plan.task,
+            "score_split": str(plan.val_split if job.kind == "select" else plan.test_split),
+            "eval_file": "eval_val.json" if job.kind == "select" else EVAL_FILE,
+            "shuffled": job.kind == "paired" and (self.controls or {}).get("shuffled", {}).get("path"),
+            "record": str(record_file),
+        }
+        (run_dir / "job.json").write_text(json.dumps(spec, indent=1))
+        print(f"\n=== start {job.name} seed {job.seed} -> {run_dir}", flush=True)
+        return self.launch(run_dir), record_file
+
+    def launch(self, run_dir: Path) -> subprocess.Popen:
+        """The worker (comparison.worker) in a session of its own, so a stop reaches its launcher and ranks."""
+        with (run_dir / "worker.log").open("w") as log:
+            return subprocess.Popen(
+                [sys.executable, "-m", "ntil_ds.comparison.worker", str(run_dir / "job.json")],
+                cwd=REPO_ROOT,
+                env=job_env(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    def collect(self, job: GridJob, record_file: Path, returncode: int) -> RunResult:
+        """The finished worker's result: its record, or a failed run when it left none (a crash)."""
+        key = json.loads((self.run_dir(job) / "job.json").read_text())["key"]
+        record = read_record(record_file, key) if returncode == 0 else None
+        if record:
+            return record_result(record, record_file)
+        log = self.run_dir(job) / "worker.log"
+        return RunResult(
+            label=job.name,
+            loss=job.loss,
+            seed=job.seed,
+            output_dir=str(self.run_dir(job)),
+            status="failed",
+            stage="worker",
+            error=f"the job's worker exited {returncode} without a record; last lines of {log}:\n{log_tail(log)}",
+        )
+
+    def finish(self, job: GridJob, run: RunResult, mlflow_runs, earlier: bool = False) -> None:
+        """A finished job: into the runs, MLflow and the outputs; the lr pick once a loss's selection runs
+        are all in."""
+        plan = self.plan
+        mlflow_runs.adopt(
+            run, plan.run_name(job.name, job.seed), split="val" if job.kind == "select" else "test"
+        )
+        shown = ", ".join(
+            f"{m} {run.metrics[m]:.4g}" for m in plan.metrics if isinstance(run.metrics.get(m), float)
+        )
+        how = "from its record" if earlier else f"train {run.train_s or 0:.0f} s"
+        print(f"=== {job.name} seed {job.seed}: {run.status} {run.stage} {shown} ({how})", flush=True)
+        if job.kind == "select":
+            self.selection_runs.append(run)
+            mine = [r for r in self.selection_runs if r.label.startswith(f"{job.label}@")]
+            if len(mine) == len(plan.lr_grid):
+                self.pick(job.label, mine)
+        else:
+            self.runs.append(run)
+        self.write(mlflow_runs.parent)
+
+    def pick(self, label: str, runs: list[RunResult]) -> None:
+        """The loss's lr, from its selection runs' validation scores (comparison.lr_select)."""
         plan, metric = self.plan, self.plan.metrics[0]
-        record = {
+        by_lr = {r.label: r for r in runs}
+        scores = {}
+        for lr in plan.lr_grid:
+            run = by_lr[selection_label(label, lr)]
+            scores[lr] = run.metrics.get(metric) if run.status == "ok" else None
+        self.picked[label] = pick_lr(scores, metric)
+        self.lr_selection = self.lr_selection or {
             "lr_grid": plan.lr_grid,
             "seed": plan.select_seed,
             "metric": metric,
@@ -272,89 +544,25 @@ class Comparison:
             "split_sha256": plan.val_split_sha256,
             "losses": {},
         }
-        picked = {}
-        for label, loss, loss_overrides in plan.specs:
-            scores = {}
-            for lr in plan.lr_grid:
-                name = selection_label(label, lr)
-                run = RunResult(
-                    label=name, loss=loss, seed=plan.select_seed, output_dir=str(plan.select_dir(name))
-                )
-                self.selection_runs.append(run)
-                print(f"\n=== lr selection: {name} seed {plan.select_seed} -> {run.output_dir}", flush=True)
-                self.run_one(run, [*loss_overrides, f"optim.lr={lr!r}"], score_split=plan.val_split)
-                mlflow_runs.adopt(run, plan.run_name(name, plan.select_seed), split="val")
-                scores[lr] = run.metrics.get(metric) if run.status == "ok" else None
-            picked[label] = pick_lr(scores, metric)
-            record["losses"][label] = {
-                "picked": picked[label],
-                "validation": [{"lr": lr, metric: scores[lr]} for lr in plan.lr_grid],
-                "runs": [asdict(r) for r in self.selection_runs if r.label.startswith(f"{label}@")],
-            }
-            print(f"=== lr selection: {label} -> lr {picked[label]} (validation {metric})", flush=True)
-            self.lr_selection = record
-        return picked
-
-    def run_one(self, run: RunResult, loss_overrides: list[str], score_split: Path | None = None) -> None:
-        """Train one job and score its export on the test split (``score_split``: the validation split of
-        an lr selection run, without the shuffled check); a failure is recorded in ``run``."""
-        plan = self.plan
-        run_dir = Path(run.output_dir)
-        overrides = [
-            *plan.base_overrides,
-            *loss_overrides,
-            f"train.seed={run.seed}",
-            f"output_dir={run_dir}",
-            "resume=none",
-            "tracking.enabled=true",
-            f"tracking.uri={plan.uri}",
-            f"tracking.run_name={plan.run_name(run.label, run.seed)}",
-            "train.export_at_end=true",
-        ]
-        try:
-            load_config(
-                plan.recipe, overrides
-            )  # a loss spec's bad override: this run fails, the others go on
-        except ConfigError as e:
-            run.status, run.stage, run.error = "failed", "config", str(e)
-            return
-        if run_dir.exists():
-            shutil.rmtree(run_dir)  # a fresh run (never resume an earlier comparison's job)
-        run_dir.mkdir(parents=True)
-        started = time.perf_counter()
-        log = run_dir / "train.log"
-        run.exit_code = run_training_job(plan.recipe, overrides, nproc=plan.nproc, log_path=log).returncode
-        run.train_s = time.perf_counter() - started
-        if run.exit_code != 0:
-            run.status, run.stage = "failed", "train"
-            run.error = f"exit code {run.exit_code}; last lines of {log}:\n{log_tail(log)}"
-            return
-        started = time.perf_counter()
-        try:
-            split = score_split or plan.test_split
-            report = score_exported_model(run_dir / "export", split, plan.task, batch_size=32)
-            write_report(report, run_dir / ("eval_val.json" if score_split else EVAL_FILE))
-        except Exception as e:  # one bad run must not end the comparison
-            run.status, run.stage = "failed", "evaluate"
-            run.error = "".join(traceback.format_exception_only(type(e), e)).strip()
-            return
-        run.metrics = report["metrics"]
-        run.status = "ok"
-        shuffled = None if score_split else (self.controls or {}).get("shuffled")
-        if shuffled:  # the same export on the shuffled split: does it read its images?
-            try:
-                report = score_exported_model(
-                    run_dir / "export", Path(shuffled["path"]), plan.task, batch_size=32
-                )
-                write_report(report, run_dir / "eval_shuffled.json")  # NaN scores become None there
-                run.shuffled = report["metrics"]
-            except Exception as e:  # the check is a control: its failure is recorded, the run stands
-                run.shuffled = {"error": "".join(traceback.format_exception_only(type(e), e)).strip()}
-        run.eval_s = time.perf_counter() - started
+        self.lr_selection["losses"][label] = {
+            "picked": self.picked[label],
+            "validation": [{"lr": lr, metric: scores[lr]} for lr in plan.lr_grid],
+            "runs": [asdict(by_lr[selection_label(label, lr)]) for lr in plan.lr_grid],
+        }
+        print(f"=== lr selection: {label} -> lr {self.picked[label]} (validation {metric})", flush=True)
 
     def write(self, parent_run_id: str) -> dict:
-        """results.json, table.md and the plots from the runs so far; returns the report."""
+        """results.json, table.md and the plots from the runs so far (in the plan's order); returns the
+        report."""
         plan = self.plan
+        order = {(label, seed): i for i, (seed, (label, _, _)) in enumerate(
+            (seed, spec) for seed in plan.seeds for spec in plan.specs)}  # fmt: skip
+        runs = sorted(self.runs, key=lambda r: order.get((r.label, r.seed), len(order)))
+        if self.lr_selection:  # in the plan's order of losses
+            losses = self.lr_selection["losses"]
+            self.lr_selection["losses"] = {
+                label: losses[label] for label, _, _ in plan.specs if label in losses
+            }
         header = {
             "name": plan.name,
             "recipe": str(plan.recipe),
@@ -367,14 +575,46 @@ class Comparison:
             "losses": [label for label, _, _ in plan.specs],
             "seeds": plan.seeds,
             "nproc": plan.nproc,
+            "threads": plan.threads,  # per rank; every job of the grid the same (float sums depend on it)
+            "jobs": plan.jobs,
+            "records": str(plan.records),
             "overrides": plan.base_overrides,
             "lr_selection": self.lr_selection,  # None: every loss at the recipe's lr
-            "complete": len(self.runs) == len(plan.specs) * len(plan.seeds),
+            "complete": len(runs) == len(plan.specs) * len(plan.seeds),
             "mlflow": {"uri": plan.uri, "experiment": plan.experiment, "parent_run_id": parent_run_id},
             "wall_s": time.perf_counter() - self.started,
         }
         title = f"{plan.recipe.stem}: {plan.task}, seeds {','.join(map(str, plan.seeds))}"
-        return write_outputs(plan.out, self.runs, plan.metrics, plan.baseline, header, title)
+        return write_outputs(plan.out, runs, plan.metrics, plan.baseline, header, title)
+
+
+PARENT_FILE = "mlflow_parent.json"  # the grid's MLflow parent run, reused when the grid is started again
+
+
+def _earlier_parent(plan: ComparisonPlan) -> str | None:
+    path = plan.out / PARENT_FILE
+    if not path.is_file():
+        return None
+    earlier = json.loads(path.read_text())
+    return earlier["run_id"] if earlier.get("uri") == plan.uri else None
+
+
+def _stop(signum, frame) -> None:
+    raise GridStopped(signal.Signals(signum).name)
+
+
+def _stop_jobs(running: dict) -> None:
+    """SIGTERM to each worker's session (its launcher and ranks), SIGKILL to what is left after 30 s."""
+    for process in running:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+    deadline = time.monotonic() + 30
+    for process in running:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=max(0.1, deadline - time.monotonic()))
+        with contextlib.suppress(ProcessLookupError):  # a rank the launcher left behind
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
 
 
 def finish_parent_run(parent, out: Path, report: dict) -> None:
@@ -416,7 +656,8 @@ def write_outputs(
         # each loss against the baseline, seed by seed (comparison.paired; the table's second section)
         "paired": paired_report(runs, metrics, baseline, header["task"]),
         "curves": score_curves(runs, metrics),  # scores while training, per seed
-        "runs": [asdict(r) for r in runs],
+        # each record's path relative to out when it is inside (records committed with the results)
+        "runs": [asdict(r) | {"record": _relative(r.record, out)} for r in runs],
         "failed": [f"{r.label} seed {r.seed}" for r in runs if r.status != "ok"],
     }
     out.mkdir(parents=True, exist_ok=True)  # no run may have written there (all failed before training)
@@ -432,3 +673,9 @@ def write_outputs(
     plot_comparison(summary, metrics, out / "comparison.png", title, HIGHER_IS_BETTER, report["paired"])
     plot_comparison_curves(report["curves"], metrics, out / "curves.png", f"{title}: during training")
     return report
+
+
+def _relative(path: str, out: Path) -> str:
+    if not path or not Path(path).is_relative_to(out):
+        return path
+    return str(Path(path).relative_to(out))

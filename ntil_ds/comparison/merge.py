@@ -43,6 +43,8 @@ def merge_comparisons(grids: list[Path], out: Path) -> dict:
     for grid, report in zip(grids, reports, strict=True):
         for record in report["runs"]:
             run = RunResult(**record)
+            if run.record:  # written relative to its grid's folder when inside it
+                run.record = str(grid / run.record)
             if (run.label, run.seed) in owner:
                 raise SystemExit(
                     f"{run.label} seed {run.seed} is in both {owner[run.label, run.seed]} and {grid}; "
@@ -51,7 +53,9 @@ def merge_comparisons(grids: list[Path], out: Path) -> dict:
             owner[run.label, run.seed] = grid
             runs.append(run)
     lost = [
-        r.output_dir for r in runs if r.status == "ok" and not (Path(r.output_dir) / METRICS_FILE).is_file()
+        r.output_dir
+        for r in runs
+        if r.status == "ok" and not r.record and not (Path(r.output_dir) / METRICS_FILE).is_file()
     ]
     if lost:
         print(

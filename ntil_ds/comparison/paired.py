@@ -54,9 +54,9 @@ def _bootstrap(pairs: list[tuple[RunResult, RunResult]], task: str, metric: str,
     for base, other in pairs:
         rows = []
         for run in (base, other):
-            path = Path(run.output_dir) / EVAL_FILE
+            path = Path(run.record or Path(run.output_dir) / EVAL_FILE)
             if not path.is_file():
-                return f"not run: {run.label} seed {run.seed} has no {EVAL_FILE}"
+                return f"not run: {run.label} seed {run.seed} has no {path.name}"
             rows.append(json.loads(path.read_text())["samples"])
         if [r["reference"] for r in rows[0]] != [r["reference"] for r in rows[1]]:
             return f"not run: seed {base.seed}'s two runs were scored on different test items"

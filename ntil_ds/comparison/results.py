@@ -32,6 +32,8 @@ class RunResult:
     metrics: dict[str, Any] = field(default_factory=dict)
     shuffled: dict[str, Any] = field(default_factory=dict)  # scores on the shuffled-input check, if run
     mlflow_run_id: str | None = None
+    # The job's record (comparison.records): its scored items and curve; empty: read from output_dir
+    record: str = ""
 
 
 def parse_loss_specs(text: str) -> list[tuple[str, str, list[str]]]:
@@ -180,9 +182,7 @@ def score_curves(
     (the "generate" records of its metrics.jsonl; steps every run of a label reached)."""
     curves: dict[str, dict[str, dict[int, list[float]]]] = {}
     for label in dict.fromkeys(r.label for r in runs):
-        per_seed = [
-            _generated_scores(Path(r.output_dir)) for r in runs if r.label == label and r.status == "ok"
-        ]
+        per_seed = [_generated_scores(r) for r in runs if r.label == label and r.status == "ok"]
         curves[label] = {}
         for metric in metrics:
             steps = set.intersection(*(set(s.get(metric, {})) for s in per_seed)) if per_seed else set()
@@ -191,14 +191,18 @@ def score_curves(
     return curves
 
 
-def _generated_scores(run_dir: Path) -> dict[str, dict[int, float]]:
-    """{score: {step: value}} of a run's generate records (the last record of a step wins)."""
+def _generated_scores(run: RunResult) -> dict[str, dict[int, float]]:
+    """{score: {step: value}} of a run's generate records (the last record of a step wins), from its
+    record, or from the metrics.jsonl in its folder (a grid from before records)."""
+    if run.record:
+        logged = json.loads(Path(run.record).read_text())["curve"]
+    else:
+        path = Path(run.output_dir) / METRICS_FILE
+        lines = path.read_text().splitlines() if path.is_file() else []
+        logged = [record for line in lines if (record := json.loads(line)).get("split") == "generate"]
     scores: dict[str, dict[int, float]] = {}
-    path = run_dir / METRICS_FILE
-    for line in path.read_text().splitlines() if path.is_file() else []:
-        record = json.loads(line)
-        if record.get("split") == "generate":
-            for name, value in record.items():
-                if name not in ("split", "step"):
-                    scores.setdefault(name, {})[record["step"]] = value
+    for record in logged:
+        for name, value in record.items():
+            if name not in ("split", "step"):
+                scores.setdefault(name, {})[record["step"]] = value
     return scores

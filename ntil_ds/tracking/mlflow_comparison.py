@@ -14,10 +14,21 @@ from ntil_ds.tracking.step_log import metric_key
 
 
 class ComparisonRuns:
-    def __init__(self, uri: str, experiment: str, name: str, params: dict[str, str]) -> None:
+    def __init__(
+        self, uri: str, experiment: str, name: str, params: dict[str, str], parent_run_id: str | None = None
+    ) -> None:
+        """``parent_run_id``: the parent run of an earlier invocation of the same grid (started again),
+        reused when the store still has it."""
         self.client = MlflowClient(uri)
         # As the jobs' trackers do: tagged as model training, artifacts of a sqlite store next to it.
         self.experiment_id = experiment_id(self.client, experiment, local_artifact_location(uri))
+        earlier = parent_run_id and self.client.search_runs(
+            [self.experiment_id], filter_string=f"attributes.run_id = '{parent_run_id}'", max_results=1
+        )
+        if earlier:
+            self.parent = parent_run_id
+            self.client.update_run(self.parent, "RUNNING")
+            return
         self.parent = self.client.create_run(
             self.experiment_id, run_name=name, tags={"ntil_ds.comparison": "parent"}
         ).info.run_id
@@ -33,9 +44,10 @@ class ComparisonRuns:
         )
         if found:
             run.mlflow_run_id = found[0].info.run_id
-        else:  # failed before its tracker started (a bad config, a crash at start): still a child
+        else:  # failed before its tracker started (a bad config, a crash at start), or trained into
+            # another store (a grid started again elsewhere from its records): still a child
             run.mlflow_run_id = self.client.create_run(self.experiment_id, run_name=run_name).info.run_id
-            self.client.set_terminated(run.mlflow_run_id, "FAILED")
+            self.client.set_terminated(run.mlflow_run_id, "FINISHED" if run.status == "ok" else "FAILED")
         child = run.mlflow_run_id
         self.client.set_tag(child, "mlflow.parentRunId", self.parent)
         self.client.set_tag(child, "ntil_ds.comparison.loss", run.label)
