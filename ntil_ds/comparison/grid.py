@@ -306,6 +306,7 @@ class Comparison:
         except (ValueError, OSError) as e:  # user data the constants cannot be made from: said, not fatal
             print(f"note: no answer-ignoring controls ({e})", flush=True)
             return None
+        plan.runs_dir.mkdir(parents=True, exist_ok=True)
         shuffled = plan.shuffled_n > 0 and write_shuffled_split(
             plan.test_split, plan.runs_dir / SHUFFLED_FILE, plan.shuffled_n
         )

@@ -167,7 +167,7 @@ def test_the_grid_prepares_the_controls_and_an_export_reads_the_shuffled_split(c
         == controls.control_scores("clock", [clocks["train"]], clocks["test"])["constants"]
     )
     shuffled = prepared["shuffled"]
-    assert shuffled["n"] == 4 and shuffled["path"] == str(tmp_path / "out" / controls.SHUFFLED_FILE)
+    assert shuffled["n"] == 4 and shuffled["path"] == str(tmp_path / "out" / "runs" / controls.SHUFFLED_FILE)
     assert shuffled["chance"] == controls.shuffled_chance("clock", clocks["test"], shuffled)
     folder = build_tiny_model_folder("qwen2_vl", tmp_path / "model")
     torch.manual_seed(0)

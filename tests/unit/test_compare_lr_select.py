@@ -1,10 +1,11 @@
 """The lr chosen per loss on validation (ntil_ds.comparison.lr_select, launch/compare.py --lr-grid): the
 parsing, the pick, the plan's refusals, and the grid's order of work: selection runs scored on the
 validation split, the paired seeds at each loss's pick, the choice in results.json. Training and scoring
-are stood in for by a table of scores (`_ScoredGrid.run_one`): the real jobs are what
+are stood in for by a table of scores (`_ScoredGrid.launch` writes each job's record): the real jobs are what
 tests/distributed/test_compare_harness.py runs; here only the choice and its bookkeeping are checked."""
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 from typing import ClassVar
 
@@ -12,6 +13,8 @@ import pytest
 
 from ntil_ds.comparison.grid import Comparison, plan_comparison
 from ntil_ds.comparison.lr_select import check_selection, parse_lr_grid, pick_lr
+from ntil_ds.comparison.records import atomic_write_json
+from ntil_ds.comparison.results import RunResult
 from ntil_ds.data.synthetic import write_dataset
 from ntil_ds.jobs import REPO_ROOT
 
@@ -82,12 +85,28 @@ class _ScoredGrid(Comparison):
         ("ntil", 1e-4, "test"): 4.0, ("ntil", 3e-4, "test"): 2.0,
     }  # fmt: skip
 
-    def run_one(self, run, loss_overrides, score_split=None):
-        lr = float(next(o for o in loss_overrides if o.startswith("optim.lr=")).partition("=")[2])
-        split = "val" if score_split == self.plan.val_split else "test"
-        self.calls = [*getattr(self, "calls", []), (run.label, run.seed, lr, split)]
-        value = self.table[run.label.partition("@")[0], lr, split]
+    def launch(self, run_dir):
+        """What the worker would leave (comparison.worker): the job's record, here from the table."""
+        job = json.loads((run_dir / "job.json").read_text())
+        lr = float(next(o for o in job["overrides"] if o.startswith("optim.lr=")).partition("=")[2])
+        split = "val" if job["score_split"] == str(self.plan.val_split) else "test"
+        self.calls = [*getattr(self, "calls", []), (job["label"], job["seed"], lr, split)]
+        value = self.table[job["label"].partition("@")[0], lr, split]
+        run = RunResult(job["label"], job["loss"], job["seed"], str(run_dir))
         run.status, run.metrics = ("ok", {"abs_error": value, "parse_rate": 1.0}) if value else ("failed", {})
+        atomic_write_json(
+            Path(job["record"]), {"key": job["key"], "result": asdict(run), "curve": [], "samples": []}
+        )
+        return _Exited()
+
+
+class _Exited:
+    """A worker process that has exited."""
+
+    pid, returncode = 0, 0
+
+    def poll(self):
+        return 0
 
 
 def test_the_grid_selects_on_validation_then_runs_the_paired_seeds_at_the_pick(tmp_path):
