@@ -354,7 +354,8 @@ class Comparison:
             },
             parent_run_id=_earlier_parent(plan),
         )
-        (plan.out / PARENT_FILE).write_text(json.dumps({"uri": plan.uri, "run_id": mlflow_runs.parent}))
+        plan.runs_dir.mkdir(parents=True, exist_ok=True)
+        (plan.runs_dir / PARENT_FILE).write_text(json.dumps({"uri": plan.uri, "run_id": mlflow_runs.parent}))
         pending = self.jobs()
         print(
             f"comparison {plan.name}: {len(plan.specs)} losses x {len(plan.seeds)} seeds on {plan.task}"
@@ -589,11 +590,13 @@ class Comparison:
         return write_outputs(plan.out, runs, plan.metrics, plan.baseline, header, title)
 
 
-PARENT_FILE = "mlflow_parent.json"  # the grid's MLflow parent run, reused when the grid is started again
+# In the runs folder (the machine's, like the store): the grid's MLflow parent run, reused when the grid is
+# started again against the same store.
+PARENT_FILE = "mlflow_parent.json"
 
 
 def _earlier_parent(plan: ComparisonPlan) -> str | None:
-    path = plan.out / PARENT_FILE
+    path = plan.runs_dir / PARENT_FILE
     if not path.is_file():
         return None
     earlier = json.loads(path.read_text())

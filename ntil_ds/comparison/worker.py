@@ -17,6 +17,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 TRAINED_FILE = "trained.json"
+PORT_TRIES = 3  # jobs side by side choose their rendezvous ports apart: one may lose the race (below)
 
 
 def run_job(job: dict) -> dict:
@@ -46,12 +47,16 @@ def run_job(job: dict) -> dict:
         run.exit_code, run.train_s = 0, trained["train_s"]
     else:
         log = run_dir / "train.log"
-        started = time.perf_counter()
         env = job_env(OMP_NUM_THREADS=str(job["threads"]))
-        run.exit_code = run_training_job(
-            job["recipe"], job["overrides"], nproc=job["nproc"], log_path=log, env=env
-        ).returncode
-        run.train_s = time.perf_counter() - started
+        for _ in range(PORT_TRIES):
+            started = time.perf_counter()
+            run.exit_code = run_training_job(
+                job["recipe"], job["overrides"], nproc=job["nproc"], log_path=log, env=env
+            ).returncode
+            run.train_s = time.perf_counter() - started
+            if run.exit_code == 0 or not _lost_port_race(log):
+                break
+            print("the rendezvous port was taken by a job beside this one: starting again", flush=True)
         if run.exit_code != 0:
             run.status, run.stage = "failed", "train"
             run.error = f"exit code {run.exit_code}; last lines of {log}:\n{log_tail(log)}"
@@ -80,6 +85,12 @@ def run_job(job: dict) -> dict:
             run.shuffled = {"error": "".join(traceback.format_exception_only(type(e), e)).strip()}
     run.eval_s = time.perf_counter() - started
     return finish()
+
+
+def _lost_port_race(log: Path) -> bool:
+    """Did the launcher fail to bind its rendezvous port? The port was free when chosen (jobs.free_port)
+    and taken by another job's launcher before this one bound it: nothing had started, so start again."""
+    return "EADDRINUSE" in log.read_text(errors="replace")
 
 
 def main(argv: list[str]) -> int:
