@@ -57,9 +57,14 @@ def content_digest(path: Path) -> str:
 
 
 def resolved_recipe(cfg_dict: dict[str, Any], digests: dict[str, str]) -> dict[str, Any]:
-    """The resolved config as a job's identity sees it: without output and tracking fields, each data or
-    model path replaced by its content digest (``digests``: path -> sha256; a hub model id stays)."""
-    recipe = {key: value for key, value in cfg_dict.items() if key not in _NOT_IDENTITY}
+    """The resolved config as a job's identity sees it: each field that differs from the Config default
+    (so a field added to the recipe later, at its default, leaves earlier records valid), without output
+    and tracking fields, each data or model path replaced by its content digest (``digests``: path ->
+    sha256; a hub model id stays)."""
+    from ntil_ds.config import Config, to_dict
+
+    recipe = _differing(cfg_dict, to_dict(Config()))
+    recipe = {key: value for key, value in recipe.items() if key not in _NOT_IDENTITY}
     for section, key in _CONTENT_FIELDS:
         value = recipe.get(section, {}).get(key)
         if value and value in digests:
@@ -74,6 +79,19 @@ def resolved_recipe(cfg_dict: dict[str, Any], digests: dict[str, str]) -> dict[s
             ],
         }
     return recipe
+
+
+def _differing(tree: dict[str, Any], default: dict[str, Any]) -> dict[str, Any]:
+    """The entries of ``tree`` that are not as in ``default``, nested sections kept as sections."""
+    kept: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and isinstance(default.get(key), dict):
+            inner = _differing(value, default[key])
+            if inner:
+                kept[key] = inner
+        elif key not in default or default[key] != value:
+            kept[key] = value
+    return kept
 
 
 def identity_key(identity: dict[str, Any]) -> str:
