@@ -366,9 +366,16 @@ class Comparison:
         )
         self.controls = self.prepare_controls()
         running: dict[subprocess.Popen, tuple[GridJob, Path]] = {}
-        previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+        stop: list[str] = []  # the signal that asked to stop; acted on between two polls, not mid-write
+
+        def request_stop(signum, frame) -> None:
+            stop.append(signal.Signals(signum).name)
+
+        previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
             while pending or running:
+                if stop:
+                    raise GridStopped(stop[0])
                 for job in [j for j in pending if self.ready(j)]:
                     if len(running) >= plan.jobs:
                         break
@@ -601,10 +608,6 @@ def _earlier_parent(plan: ComparisonPlan) -> str | None:
         return None
     earlier = json.loads(path.read_text())
     return earlier["run_id"] if earlier.get("uri") == plan.uri else None
-
-
-def _stop(signum, frame) -> None:
-    raise GridStopped(signal.Signals(signum).name)
 
 
 def _stop_jobs(running: dict) -> None:

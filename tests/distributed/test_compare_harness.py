@@ -1,11 +1,19 @@
 """launch/compare.py end to end, small: 2 losses x 1 seed of real training jobs (deepspeed launcher,
-a tiny Qwen2, 2 steps) plus a third entry whose job fails, each scored on the test split. Checks every
-output: results.json, the table, the plot, and the MLflow parent run with one child per job, the
-failed job reported (not dropped) in all of them."""
+a tiny Qwen2, 2 steps) plus a third entry whose job fails, each scored on the test split, two jobs at
+once (--jobs 2, one thread each). Checks every output: results.json, the table, the plot, and the MLflow
+parent run with one child per job, the failed job reported (not dropped) in all of them.
+
+Then the resume (docs/comparison.md, "Resume"): the same two losses one job at a time (--jobs 1, one
+thread), stopped with SIGTERM once its first job's record is written and started again: it trains only
+the missing job, and both give the per-run scores of the --jobs 2 grid; a changed recipe on those
+records is refused, naming the field; a job trained but not scored is scored, not trained again."""
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -36,6 +44,10 @@ def comparison(tmp_path_factory):
         "--seeds",
         "0",
         "--nproc",
+        "1",
+        "--jobs",
+        "2",
+        "--threads",
         "1",
         "--out",
         str(out),
@@ -140,3 +152,137 @@ def test_mlflow_parent_with_a_child_per_job(comparison):
         assert "train/loss" in child.data.metrics and "test/parse_rate" in child.data.metrics
     assert by_loss[FAILING].info.status == "FAILED"
     assert by_loss[FAILING].data.tags["ntil_ds.comparison.status"] == "failed"
+
+
+# ---- resume -------------------------------------------------------------------------------------------
+
+
+def _resume_command(grid, out, *extra):
+    """The harness grid's ce and ntl jobs on its model and data, one job at a time, one thread."""
+    return [
+        sys.executable,
+        "launch/compare.py",
+        "--config",
+        "configs/train/tiny_qwen2_arithmetic.yaml",
+        "--losses",
+        "ce,ntl",
+        "--seeds",
+        "0",
+        "--nproc",
+        "1",
+        "--jobs",
+        "1",
+        "--threads",
+        "1",
+        "--out",
+        str(out),
+        "--test",
+        str(grid / "data" / "test.jsonl"),
+        f"model.name_or_path={grid / 'model'}",
+        "model.init=random",
+        f"data.train_file={grid / 'data' / 'train.jsonl'}",
+        f"data.eval_file={grid / 'data' / 'val.jsonl'}",
+        "train.max_steps=2",
+        "train.micro_batch_size=2",
+        "train.global_batch_size=2",
+        "optim.warmup_steps=0",
+        "train.log_every=1",
+        "eval.generate_every=1",
+        "eval.generate_samples=4",
+        "eval.max_new_tokens=4",
+        *extra,
+    ]
+
+
+@pytest.fixture(scope="module")
+def resumed(comparison, tmp_path_factory):
+    """The resume grid stopped after its first record, then started again to its end."""
+    grid, _ = comparison
+    out = tmp_path_factory.mktemp("resume")
+    records = out / "records" / "paired"
+    first = subprocess.Popen(
+        _resume_command(grid, out), cwd=REPO_ROOT, env=launch_env(), stdout=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 600
+    while not (records.is_dir() and any(records.glob("*.json"))) and first.poll() is None:
+        assert time.monotonic() < deadline, "no record after 600 s"
+        time.sleep(0.2)
+    first.send_signal(signal.SIGTERM)  # the second job has just started: it needs more than 10 s
+    stopped_out, _ = first.communicate(timeout=120)
+    kept = {p.name: p.read_bytes() for p in records.glob("*.json")}
+    again = subprocess.run(
+        _resume_command(grid, out),
+        cwd=REPO_ROOT,
+        env=launch_env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    return {"out": out, "stopped": first.returncode, "stopped_out": stopped_out, "kept": kept, "again": again}
+
+
+def test_a_stopped_grid_trains_only_the_missing_job_and_equals_the_grid_never_stopped(comparison, resumed):
+    grid, _ = comparison
+    assert resumed["stopped"] == 143, resumed["stopped_out"][-3000:]
+    assert "stopped: every finished job's record is in" in resumed["stopped_out"]
+    assert list(resumed["kept"]) == ["ce-seed0.json"], list(resumed["kept"])
+    again = resumed["again"]
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    # ce came from its record (the file untouched), only ntl was trained
+    assert "=== ce seed 0: ok" in again.stdout and "(from its record)" in again.stdout
+    assert "=== start ce seed 0" not in again.stdout and "=== start ntl seed 0" in again.stdout
+    records = resumed["out"] / "records" / "paired"
+    assert (records / "ce-seed0.json").read_bytes() == resumed["kept"]["ce-seed0.json"]
+    # the same jobs as the --jobs 2 grid's (same identity), with the same scores per run and per item
+    runs = {r["label"]: r for r in json.loads((resumed["out"] / "results.json").read_text())["runs"]}
+    harness = {r["label"]: r for r in json.loads((grid / "results.json").read_text())["runs"]}
+    for label in ("ce", "ntl"):
+        mine = json.loads((records / f"{label}-seed0.json").read_text())
+        theirs = json.loads((grid / "records" / "paired" / f"{label}-seed0.json").read_text())
+        assert mine["key"] == theirs["key"], (mine["identity"], theirs["identity"])
+        assert runs[label]["metrics"] == harness[label]["metrics"], label
+        assert mine["samples"] == theirs["samples"] and len(mine["samples"]) == runs[label]["metrics"]["n"]
+        assert [c["step"] for c in mine["curve"]] == [1, 2]
+        assert len((records / f"{label}-seed0.json").read_bytes()) < 300_000
+    report = json.loads((resumed["out"] / "results.json").read_text())
+    assert report["complete"] and report["threads"] == 1 and report["jobs"] == 1
+
+
+def test_a_changed_recipe_on_the_same_records_is_refused_naming_the_field(comparison, resumed):
+    grid, _ = comparison
+    changed = subprocess.run(
+        _resume_command(grid, resumed["out"], "train.max_steps=3"),
+        cwd=REPO_ROOT, env=launch_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert changed.returncode != 0
+    assert "holds the records of another grid" in changed.stderr, changed.stderr[-2000:]
+    assert "recipe.train.max_steps: was 2, now 3" in changed.stderr
+    more_threads = subprocess.run(
+        [*_resume_command(grid, resumed["out"]), "--threads", "2"],
+        cwd=REPO_ROOT, env=launch_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert more_threads.returncode != 0 and "threads: was 1, now 2" in more_threads.stderr
+
+
+def test_a_trained_but_unscored_job_is_scored_not_trained_again(comparison, resumed):
+    grid, _ = comparison
+    out = resumed["out"]
+    record = out / "records" / "paired" / "ntl-seed0.json"
+    scored = json.loads(record.read_text())
+    record.unlink()  # as if stopped between its training and its scoring
+    log = out / "runs" / "ntl-seed0" / "train.log"
+    trained_at = os.stat(log).st_mtime_ns
+    again = subprocess.run(
+        _resume_command(grid, out),
+        cwd=REPO_ROOT,
+        env=launch_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "trained earlier" in (out / "runs" / "ntl-seed0" / "worker.log").read_text()
+    assert os.stat(log).st_mtime_ns == trained_at  # the training job did not run again
+    rescored = json.loads(record.read_text())
+    assert rescored["key"] == scored["key"] and rescored["samples"] == scored["samples"]
+    assert rescored["result"]["metrics"] == scored["result"]["metrics"]
