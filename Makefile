@@ -25,7 +25,7 @@ $(VENV)/.installed: pyproject.toml constraints/cpu.txt
 
 setup: $(VENV)/.installed
 
-# Debian packages the tests need: SLURM (real clusters are started by the tests: one node, and three
+# Debian packages the tests need: SLURM (real clusters are started by the tests: one node, and four
 # nodes in network namespaces made with iproute2's `ip netns`; shellcheck lints slurm/*.sh) and chromium
 # (a headless browser opens a run in the MLflow UI, tests/distributed/test_tracking_trainer.py).
 system-deps:

@@ -184,6 +184,7 @@ def test_hybrid_and_moe_families_on_two_zero3_ranks_equal_one_process(tmp_path, 
     family's coefficient) on mixed text/image batches, 2 samples a micro-batch: 2 ZeRO-3 ranks == one
     process on the same micro-batches, every step's loss, NTIL part, aux loss and grad norm, and every
     exported weight."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     from ntil_ds.tiny import build_tiny_model_folder
@@ -215,6 +216,19 @@ def test_hybrid_and_moe_families_on_two_zero3_ranks_equal_one_process(tmp_path, 
     assert ("ZeRO-3 leaf modules:" in runs["split"]["log"]) == moe
     moved = sum(not torch.equal(w, initial[name]) for name, w in runs["single"]["weights"].items())
     assert moved > len(initial) // 2  # the steps did update the weights compared
+    # The 2-rank ZeRO-3 export loads with plain from_pretrained, no weight missing or unexpected, and holds
+    # what was trained (these families' export is checked here, not in test_train_zero3.py's family list).
+    exported, info = AutoModelForImageTextToText.from_pretrained(
+        runs["split"]["out"] / "export", dtype=torch.float32, output_loading_info=True
+    )
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    masters = get_fp32_state_dict_from_zero_checkpoint(
+        str(runs["split"]["out"] / "checkpoints"), tag=f"step_{STEPS:08d}"
+    )
+    state = exported.state_dict()
+    assert masters.keys() <= state.keys()
+    for name, value in masters.items():
+        assert torch.equal(state[name], value), name
     if kind == "qwen3_5_moe":
         # Cross-entropy without the aux loss, the file's own order on both sides: other micro-batches, the
         # same gradient (the aux loss at the family's coefficient moves the weights by ~1e-7 here).

@@ -1,4 +1,4 @@
-"""Fixtures for the SLURM tests: real local clusters (one node; three nodes in network namespaces), each
+"""Fixtures for the SLURM tests: real local clusters (one node; four nodes in network namespaces), each
 started once for the whole session."""
 
 from __future__ import annotations
@@ -57,14 +57,14 @@ def slurm_cluster(slurm_binaries, tmp_path_factory) -> LocalSlurmCluster:
 
 @pytest.fixture(scope="session")
 def netns_cluster(slurm_binaries, tmp_path_factory) -> NamespaceSlurmCluster:
-    """Nodes n1, n2, n3, each slurmd in a network namespace of its own (tests/slurm/cluster.py)."""
+    """Nodes n1-n4 (two 2-node jobs at once), each slurmd in a network namespace of its own (tests/slurm/cluster.py)."""
     problem = namespaces_unavailable()
     if problem:
         _unavailable(
             f"the multi-node SLURM cluster cannot be made: {problem}",
             "run as root; `make system-deps` installs iproute2, slurm-wlm and munge",
         )
-    cluster = NamespaceSlurmCluster(tmp_path_factory.mktemp("slurm-netns"), num_nodes=3)
+    cluster = NamespaceSlurmCluster(tmp_path_factory.mktemp("slurm-netns"), num_nodes=4)
     try:
         cluster.start()
     except BaseException:

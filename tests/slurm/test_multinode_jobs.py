@@ -1,6 +1,6 @@
 """`sbatch slurm/train.sh` across the nodes of a real multi-node SLURM cluster.
 
-The cluster (tests/slurm/cluster.py, NamespaceSlurmCluster): nodes n1, n2, n3, each `slurmd` in a
+The cluster (tests/slurm/cluster.py, NamespaceSlurmCluster): nodes n1-n4, each `slurmd` in a
 network namespace of its own, a management network for SLURM and a fabric for the ranks (gloo on CPU,
 GLOO_SOCKET_IFNAME=fab0). The jobs are submitted as the README says, with the tiny Qwen2 recipe
 (configs/train/tiny_qwen2_arithmetic.yaml, a tiny random model) and real launch/train.py ranks:
@@ -13,8 +13,9 @@ GLOO_SOCKET_IFNAME=fab0). The jobs are submitted as the README says, with the ti
 - the second node cut off the fabric mid-step ends the job within the collective timeout plus the peer check,
   with an error that names the ranks that no longer answer.
 
-Each job costs 30-90 s here, so one job serves several tests; the fault times are printed (pytest -s)
-and bounded only generously (to catch a hang, not to measure speed).
+Each job costs 30-90 s here, so one job serves several tests, and the two fault jobs overlap on the 4
+nodes; the fault times are printed (pytest -s) and bounded only generously (to catch a hang, not to
+measure speed).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import pytest
 from ntil_ds.preemption import EXIT_PREEMPTED
 from tests.conftest import REPO_ROOT
 from tests.distributed.training_runs import train_metrics
-from tests.slurm.cluster import FABRIC_INTERFACE, NamespaceSlurmCluster
+from tests.slurm.cluster import FABRIC_INTERFACE, FINAL_STATES, NamespaceSlurmCluster
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.distributed]
 
@@ -133,10 +134,10 @@ def node_list(cluster: NamespaceSlurmCluster, job: str) -> list[str]:
     return cluster.run(["scontrol", "show", "hostnames", nodes]).stdout.split()
 
 
-def training_ranks(cluster: NamespaceSlurmCluster) -> dict[int, dict]:
-    """rank -> where it runs and what it was told, for every launch/train.py process of the cluster."""
+def training_ranks(cluster: NamespaceSlurmCluster, nodes: list[str]) -> dict[int, dict]:
+    """rank -> where it runs and what it was told, for every launch/train.py process on ``nodes``."""
     ranks = {}
-    for node in cluster.nodes:
+    for node in nodes:
         peers = cluster.tcp_peers(node)
         for pid in cluster.pids_in(node):
             try:
@@ -154,12 +155,6 @@ def training_ranks(cluster: NamespaceSlurmCluster) -> dict[int, dict]:
                 "peers": peers.get(pid, set()),
             }
     return ranks
-
-
-def time_until_ended(cluster: NamespaceSlurmCluster, job: str, start: float, timeout: float):
-    """(seconds from `start` until the job reached a final state, its JobInfo)."""
-    info = cluster.wait_job(job, timeout=timeout)
-    return time.monotonic() - start, info
 
 
 def wait_nothing_left(cluster: NamespaceSlurmCluster, nodes: list[str], timeout: float = 30) -> dict:
@@ -336,12 +331,78 @@ def test_autotp_pairs_inside_nodes_data_parallel_across_nodes_equals_tp1(
 # ---- faults ----------------------------------------------------------------------------------------
 
 
-def test_killed_rank_on_the_second_node_ends_the_job_and_leaves_nothing(netns_cluster, inputs, tmp_path):
+@pytest.fixture(scope="module")
+def faults(netns_cluster, inputs, tmp_path_factory) -> dict[str, dict]:
+    """Two fault jobs of 2 nodes each, overlapped on the 4 nodes (each fault leaves its job waiting, not
+    computing: the cut-off job waits out its collective timeout while the other starts):
+
+    - "cut": the second node cut off the fabric after step 2 (every collective's timeout 20 s:
+      NTIL_COLLECTIVE_TIMEOUT_S; DEEPSPEED_TIMEOUT's unit is a minute);
+    - "killed": rank 2, on the second node, killed with SIGKILL after step 2, as the OOM killer would.
+
+    The cut-off job starts alone (its 20 s timeout must not meet the other job's start-up on 2 cores)."""
     cluster = netns_cluster
-    job = submit(cluster, tmp_path, overrides(inputs, tmp_path / "out", ENDLESS), nodes=2, nproc=2)
-    wait_for_steps(cluster, job, tmp_path, tmp_path / "out", 2)
-    nodes = node_list(cluster, job)
-    ranks = training_ranks(cluster)
+    jobs: dict[str, dict] = {}
+
+    def start(name: str, env: dict[str, str] | None = None) -> dict:
+        tmp = tmp_path_factory.mktemp(f"fault-{name}")
+        job = submit(cluster, tmp, overrides(inputs, tmp / "out", ENDLESS), nodes=2, nproc=2, env=env)
+        jobs[name] = {"tmp": tmp, "job": job}
+        return jobs[name]
+
+    def reached_step_2(run: dict) -> None:
+        wait_for_steps(cluster, run["job"], run["tmp"], run["tmp"] / "out", 2)
+        run["nodes"] = node_list(cluster, run["job"])
+
+    cut = start("cut", env={"NTIL_COLLECTIVE_TIMEOUT_S": "20"})
+    reached_step_2(cut)
+    killed = start("killed")  # on the two other nodes, while the cut-off job runs
+    cluster.set_link(cut["nodes"][1], FABRIC_INTERFACE, up=False)
+    cut["fault_at"] = time.monotonic()
+    try:
+        reached_step_2(killed)
+        assert not set(killed["nodes"]) & set(cut["nodes"]), (killed["nodes"], cut["nodes"])
+        killed["ranks"] = training_ranks(cluster, killed["nodes"])
+        psutil.Process(killed["ranks"][2]["pid"]).send_signal(signal.SIGKILL)
+        killed["fault_at"] = time.monotonic()
+        # Both polled at once, so each job's time from its fault to its end is its own.
+        deadline = time.monotonic() + 300
+        while any("info" not in run for run in (killed, cut)):
+            for run in (killed, cut):
+                info = cluster.job(run["job"])
+                if "info" not in run and info.state in FINAL_STATES:
+                    run["info"], run["seconds"] = info, time.monotonic() - run["fault_at"]
+            assert time.monotonic() < deadline, {
+                name: cluster.job(r["job"]).state for name, r in jobs.items()
+            }
+            time.sleep(0.5)
+    finally:
+        cluster.set_link(cut["nodes"][1], FABRIC_INTERFACE, up=True)
+        for run in jobs.values():
+            if "info" not in run:  # a failed wait above: leave no job behind for the next tests
+                cluster.run(["scancel", run["job"]])
+    for run in (killed, cut):
+        run["left"] = wait_nothing_left(cluster, run["nodes"])
+        run["log"] = job_log(run["tmp"], run["job"])
+    cluster.wait_nodes_idle(60)
+    return jobs
+
+
+def assert_failed_without_requeue(run: dict) -> None:
+    info = run["info"]
+    assert info.state == "FAILED", run["log"]
+    # Promised: non-zero and not the preemption code (so no requeue). Which code reaches SLURM is a race:
+    # the killed node's (247: its launcher's -9), 1 from the ranks, or 143 (srun --kill-on-bad-exit
+    # stopped the other node).
+    code, _ = info.exit_code.split(":")
+    assert code not in ("0", str(EXIT_PREEMPTED)), info.exit_code
+    assert info.restarts == 0
+    assert not run["left"], run["left"]  # nothing left on either node
+
+
+def test_killed_rank_on_the_second_node_ends_the_job_and_leaves_nothing(netns_cluster, faults):
+    cluster, run = netns_cluster, faults["killed"]
+    nodes, ranks = run["nodes"], run["ranks"]
     # Each rank runs in its node's network namespace, with the allocation's layout and rendezvous, and
     # talks real TCP to the other node over the fabric.
     assert {rank: r["node"] for rank, r in ranks.items()} == {
@@ -354,44 +415,18 @@ def test_killed_rank_on_the_second_node_ends_the_job_and_leaves_nothing(netns_cl
         assert r["env"] == {"LOCAL_RANK": str(rank % 2), "WORLD_SIZE": "4", "MASTER_ADDR": nodes[0]}, r
     assert cluster.address(nodes[0], FABRIC_INTERFACE) in ranks[2]["peers"], ranks[2]
     assert cluster.address(nodes[1], FABRIC_INTERFACE) in ranks[0]["peers"], ranks[0]
-
-    psutil.Process(ranks[2]["pid"]).send_signal(signal.SIGKILL)  # as the OOM killer would
-    killed = time.monotonic()
-    seconds, info = time_until_ended(cluster, job, killed, timeout=240)
-    left = wait_nothing_left(cluster, nodes)
-    log = job_log(tmp_path, job)
-    print(f"\nkilled rank 2 on {nodes[1]}: job {info.state} {info.exit_code} after {seconds:.1f} s")
-    assert info.state == "FAILED", log
-    # Promised: non-zero and not the preemption code (so no requeue). Which code reaches SLURM is a race:
-    # the killed node's (247: its launcher's -9) or 143 (srun --kill-on-bad-exit stopped the other node).
-    code, _ = info.exit_code.split(":")
-    assert code not in ("0", str(EXIT_PREEMPTED)), info.exit_code
-    assert info.restarts == 0
-    assert not left, left
+    print(f"\nkilled rank 2 on {nodes[1]}: job {run['info'].state} {run['info'].exit_code} after "
+          f"{run['seconds']:.1f} s")  # fmt: skip
+    assert_failed_without_requeue(run)
 
 
-def test_second_node_cut_off_the_fabric_ends_the_job_naming_the_lost_ranks(netns_cluster, inputs, tmp_path):
-    cluster = netns_cluster
-    # Every collective's timeout: 20 s (NTIL_COLLECTIVE_TIMEOUT_S; DEEPSPEED_TIMEOUT's unit is a minute).
-    job = submit(cluster, tmp_path, overrides(inputs, tmp_path / "out", ENDLESS), nodes=2, nproc=2,
-                 env={"NTIL_COLLECTIVE_TIMEOUT_S": "20"})  # fmt: skip
-    wait_for_steps(cluster, job, tmp_path, tmp_path / "out", 2)
-    nodes = node_list(cluster, job)
-    cluster.set_link(nodes[1], FABRIC_INTERFACE, up=False)
-    cut = time.monotonic()
-    try:
-        seconds, info = time_until_ended(cluster, job, cut, timeout=300)
-    finally:
-        cluster.set_link(nodes[1], FABRIC_INTERFACE, up=True)
-    left = wait_nothing_left(cluster, nodes)
-    log = job_log(tmp_path, job)
-    print(f"\n{nodes[1]} cut off the fabric: job {info.state} {info.exit_code} after {seconds:.1f} s")
-    assert info.state == "FAILED", log
-    code, _ = info.exit_code.split(":")  # 1 from the ranks, or 143 (see the killed-rank test)
-    assert code not in ("0", str(EXIT_PREEMPTED)), info.exit_code
-    assert info.restarts == 0
+def test_second_node_cut_off_the_fabric_ends_the_job_naming_the_lost_ranks(faults):
+    run = faults["cut"]
+    nodes, log = run["nodes"], run["log"]
+    print(f"\n{nodes[1]} cut off the fabric: job {run['info'].state} {run['info'].exit_code} after "
+          f"{run['seconds']:.1f} s")  # fmt: skip
+    assert_failed_without_requeue(run)
     # The ranks' collectives time out after those 20 s, then rank 0 names who no longer answers.
     assert "Timed out waiting 20000ms" in log, log
     assert re.search(r"\[rank 0\] ranks that do not answer: ranks 2, 3 of 4 did not answer", log), log
     assert f"node 1 {nodes[1]}: ranks 2-3" in log
-    assert not left, left
