@@ -37,9 +37,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from ntil_ds.comparison.grid import Comparison, GridStopped, plan_comparison, prepare_inputs
+from ntil_ds.comparison.grid import Comparison, GridStopped
 from ntil_ds.comparison.lr_select import parse_lr_grid
 from ntil_ds.comparison.merge import merge_comparisons
+from ntil_ds.comparison.plan import plan_comparison, prepare_inputs
 from ntil_ds.comparison.results import parse_loss_specs, parse_seeds
 from ntil_ds.config import ConfigError
 from ntil_ds.jobs import REPO_ROOT

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from ntil_ds.comparison.controls import control_scores
-from ntil_ds.comparison.grid import finish_parent_run, write_outputs
+from ntil_ds.comparison.outputs import finish_parent_run, write_outputs
 from ntil_ds.comparison.results import RunResult
 from ntil_ds.comparison.splits import refuse_overlap, split_hash
 from ntil_ds.tracking import resolve_tracking_uri

@@ -128,7 +128,7 @@ def test_the_plan_takes_uri_credentials_and_writes_none(tmp_path, monkeypatch):
     import os
     from dataclasses import asdict
 
-    from ntil_ds.comparison.grid import plan_comparison
+    from ntil_ds.comparison.plan import plan_comparison
     from ntil_ds.jobs import REPO_ROOT
 
     for name in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN"):
@@ -168,7 +168,7 @@ def test_merge_reads_grids_run_apart_as_one(compare, tmp_path, capsys):
     from mlflow import MlflowClient
 
     import launch.compare as cli
-    from ntil_ds.comparison.grid import write_outputs
+    from ntil_ds.comparison.outputs import write_outputs
     from ntil_ds.comparison.splits import split_hash
     from ntil_ds.data.synthetic import write_dataset
 
@@ -260,7 +260,7 @@ def test_merge_reads_grids_run_apart_as_one(compare, tmp_path, capsys):
 
 
 def test_the_plan_refuses_a_test_split_that_overlaps_the_training_split(tmp_path):
-    from ntil_ds.comparison.grid import plan_comparison
+    from ntil_ds.comparison.plan import plan_comparison
     from ntil_ds.data.synthetic import write_dataset
     from ntil_ds.jobs import REPO_ROOT
 

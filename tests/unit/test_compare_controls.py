@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from ntil_ds.comparison import controls
-from ntil_ds.comparison.grid import write_outputs
+from ntil_ds.comparison.outputs import write_outputs
 from ntil_ds.comparison.results import RunResult
 from ntil_ds.data import read_jsonl, split_last_answer
 from ntil_ds.data.records import text_of
@@ -143,7 +143,8 @@ def test_the_grid_prepares_the_controls_and_an_export_reads_the_shuffled_split(c
     import torch
     from transformers import AutoConfig, AutoModelForImageTextToText
 
-    from ntil_ds.comparison.grid import Comparison, plan_comparison
+    from ntil_ds.comparison.grid import Comparison
+    from ntil_ds.comparison.plan import plan_comparison
     from ntil_ds.evaluation.generate import score_exported_model
     from ntil_ds.jobs import REPO_ROOT
     from ntil_ds.tiny import build_tiny_model_folder

@@ -11,8 +11,9 @@ from typing import ClassVar
 
 import pytest
 
-from ntil_ds.comparison.grid import Comparison, plan_comparison
+from ntil_ds.comparison.grid import Comparison
 from ntil_ds.comparison.lr_select import check_selection, parse_lr_grid, pick_lr
+from ntil_ds.comparison.plan import plan_comparison
 from ntil_ds.comparison.records import atomic_write_json
 from ntil_ds.comparison.results import RunResult
 from ntil_ds.data.synthetic import write_dataset
