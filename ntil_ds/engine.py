@@ -35,7 +35,6 @@ from ntil_ds.dist import (
 )
 from ntil_ds.ds_config import optimizer_build_problem
 from ntil_ds.model.parts import expert_modules, num_experts
-from ntil_ds.model.sequence_parallel import check_sequence_parallel_supported
 
 logger = logging.getLogger(__name__)
 
@@ -148,13 +147,13 @@ def register_sequence_parallel(model: torch.nn.Module, cfg: Config, ds_config: d
     """With ``parallel.sequence_parallel_size`` > 1: DeepSpeed's Ulysses attention put in place of the
     model's attention function (its own Hugging Face integration, ``UlyssesSPAttentionHF``) and its
     groups of consecutive ranks made (a COLLECTIVE); the ``mpu`` for ``deepspeed.initialize``, which then
-    shards ZeRO over, and averages gradients across, the data- and sequence-parallel ranks together.
+    shards ZeRO over, and averages gradients across, the data- and sequence-parallel ranks together
+    (the model was checked against the size at the trainer's start: check_sequence_parallel_at_start).
     None when off. In evaluation (``model.eval()``) the attention is the model's own: every rank of a
     group evaluates whole rows (the evaluation batches are not sliced)."""
     size = cfg.parallel.sequence_parallel_size
     if size == 1:
         return None
-    check_sequence_parallel_supported(model.config, size)
     zero = ds_config.get("zero_optimization") or {}
     if zero.get("stage") == 3 and zero.get("reduce_scatter", True) is False:
         raise ConfigError(

@@ -56,6 +56,7 @@ from ntil_ds.loss import NTILOutput, number_token_ids
 from ntil_ds.loss.build import build_loss, check_loss_supports, head_on_labelled_rows
 from ntil_ds.model import load_model
 from ntil_ds.model.packing import rope_fn_for
+from ntil_ds.model.sequence_parallel import check_sequence_parallel_at_start
 from ntil_ds.model.tensor_parallel import find_vocab_shard
 from ntil_ds.moe import router_terms_for
 from ntil_ds.nonfinite import raise_non_finite_gradient, raise_non_finite_loss
@@ -100,6 +101,8 @@ class Trainer:
         self.grad_accum = gradient_accumulation_steps(cfg, dist_info.dp_size)
         self.device = device_for(dist_info.local_rank)
         check_optimizer_build(ds_config)  # an optimizer op that cannot build fails now, not after the model
+        if cfg.parallel.sequence_parallel_size > 1:  # the model's config alone, before any weight loads
+            check_sequence_parallel_at_start(cfg, self.device)
         # Which checkpoint to continue, decided by rank 0 for all, and checked against this recipe before
         # anything is built or written: a different recipe must not silently continue another run.
         checkpoint = agree_on_resume_checkpoint(cfg.resume, self.output_dir, dist_info)

@@ -5,7 +5,9 @@ Ulysses trades the sequence for the heads inside attention: an all-to-all gives 
 the whole sequence for ``heads / size`` heads, so the head counts must split; it replaces the attention
 function transformers calls (sdpa, flash), so the model's attention must be one of those; and it only
 wraps softmax attention, so layers that carry a state along the row (Gated DeltaNet) would see a slice
-of it. A vision tower would run on each rank's slice of tokens it cannot read alone: the multimodal
+of it; it drops the attention mask, so a sliding window (which lives only in the mask on sdpa) would
+silently become full attention. A row longer than the model's position window needs rope scaling.
+Everything here reads the model's config alone: the trainer runs it at start, before any weight loads. A vision tower would run on each rank's slice of tokens it cannot read alone: the multimodal
 families are refused until their merged embeddings are sliced after the tower.
 """
 
@@ -19,8 +21,12 @@ from ntil_ds.model.parts import has_vision, num_experts, text_config_of
 WRAPPABLE_ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
 
 
-def check_sequence_parallel_supported(config: Any, size: int) -> None:
-    """Raise ConfigError, naming the fix, when a model with ``config`` cannot train at this size."""
+def check_sequence_parallel_supported(
+    config: Any, size: int, *, max_seq_len: int | None = None, attention: str | None = None
+) -> None:
+    """Raise ConfigError, naming the fix, when a model with ``config`` cannot train at this size. Run at
+    start on the model's config alone (no weight loaded): ``attention`` is the implementation the model
+    will be loaded with (default: the config's own), ``max_seq_len`` the rows' length (data.max_seq_len)."""
     text = text_config_of(config)
     name = getattr(config, "model_type", "this model")
     key = f"parallel.sequence_parallel_size={size}"
@@ -41,6 +47,24 @@ def check_sequence_parallel_supported(config: Any, size: int) -> None:
             "row, which Ulysses (it wraps softmax attention only) would cut at every slice; set "
             "parallel.sequence_parallel_size=1"
         )
+    window = sliding_window_of(text)
+    if window:
+        raise ConfigError(
+            f"{key} with {name!r}: its sliding-window attention layers (window {window}) keep the window "
+            "only in the attention mask, which Ulysses' attention does not take: they would train with full "
+            "attention; set parallel.sequence_parallel_size=1 (or use_sliding_window=false in the model's "
+            "config.json where the model was trained without it)"
+        )
+    positions = getattr(text, "max_position_embeddings", None)
+    if max_seq_len and positions and max_seq_len > positions and not rope_scaled(text):
+        factor = -(-max_seq_len // positions)
+        raise ConfigError(
+            f"data.max_seq_len={max_seq_len} with {name!r}, whose position window is {positions} tokens "
+            "(max_position_embeddings) without rope scaling: positions past it were never trained. Add YaRN "
+            f'to the model folder\'s config.json, "rope_scaling": {{"rope_type": "yarn", "factor": {factor}.0, '
+            f'"original_max_position_embeddings": {positions}}}, and point model.name_or_path at that folder; '
+            f"or set data.max_seq_len<={positions}"
+        )
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     if heads % size or (kv_heads % size and size % kv_heads):
@@ -49,9 +73,40 @@ def check_sequence_parallel_supported(config: Any, size: int) -> None:
             f"over the {size} ranks (heads divisible by the size; key/value heads divisible by it or "
             "dividing it); choose a size that divides them"
         )
-    attention = getattr(config, "_attn_implementation", None)
+    attention = attention or getattr(config, "_attn_implementation", None)
     if attention not in WRAPPABLE_ATTENTION:
         raise ConfigError(
             f"{key} with attention {attention!r}: Ulysses wraps {', '.join(WRAPPABLE_ATTENTION)}; set "
             "model.attn_implementation=auto or sdpa"
         )
+
+
+def sliding_window_of(text: Any) -> int | None:
+    """The window of a text config's sliding-window layers (None: every layer attends to the whole row)."""
+    layer_types = getattr(text, "layer_types", None) or ()
+    if "sliding_attention" not in layer_types and not getattr(text, "use_sliding_window", False):
+        return None
+    return getattr(text, "sliding_window", None) or None
+
+
+def rope_scaled(text: Any) -> bool:
+    """Whether the rotary positions are scaled past the trained window (YaRN, linear, dynamic, ...):
+    transformers 5's ``rope_parameters`` (one dict, or one per layer type), or an older ``rope_scaling``."""
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    per_layer = [v for v in rope.values() if isinstance(v, dict)] if isinstance(rope, dict) else []
+    kinds = {(r.get("rope_type") or r.get("type") or "default") for r in (per_layer or [rope])}
+    return bool(kinds - {"default"})
+
+
+def check_sequence_parallel_at_start(cfg: Any, device: Any) -> None:
+    """The recipe's model, by its config.json alone, against ``parallel.sequence_parallel_size`` (the
+    trainer's first check, before the data and the weights load)."""
+    from transformers import AutoConfig
+
+    from ntil_ds.model.loading import resolve_attn_implementation
+
+    config = AutoConfig.from_pretrained(cfg.model.name_or_path, trust_remote_code=cfg.model.trust_remote_code)
+    attention = resolve_attn_implementation(cfg.model.attn_implementation, device)
+    check_sequence_parallel_supported(
+        config, cfg.parallel.sequence_parallel_size, max_seq_len=cfg.data.max_seq_len, attention=attention
+    )

@@ -130,3 +130,55 @@ def test_zero3_without_reduce_scatter_is_refused_before_deepspeed_registers_anyt
     with pytest.raises(ConfigError, match="remove reduce_scatter from the JSON"):
         register_sequence_parallel(model, cfg, zero3)
     assert register_sequence_parallel(model, load_config(RECIPE), zero3) is None  # size 1: nothing to do
+
+
+def test_sliding_windows_and_rows_past_the_position_window_are_refused_naming_the_fix():
+    """Ulysses drops the attention mask, where sdpa keeps a sliding window: refused, not silently full
+    attention. A row longer than max_position_embeddings needs rope scaling (YaRN), named with its factor."""
+    sliding = _qwen2_config(use_sliding_window=True, sliding_window=16, max_window_layers=0)
+    with pytest.raises(ConfigError, match=r"sliding-window attention layers \(window 16\)"):
+        check_sequence_parallel_supported(sliding, 2)
+    short = _qwen2_config(max_position_embeddings=64)
+    check_sequence_parallel_supported(short, 2, max_seq_len=64)
+    with pytest.raises(
+        ConfigError, match=r'"rope_type": "yarn", "factor": 3.0, "original_max_position_embeddings": 64'
+    ):
+        check_sequence_parallel_supported(short, 2, max_seq_len=130)
+    yarn = _qwen2_config(
+        max_position_embeddings=64,
+        rope_parameters={
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 64,
+            "rope_theta": 1e4,
+        },
+    )
+    check_sequence_parallel_supported(yarn, 2, max_seq_len=256)
+
+
+def test_the_trainer_refuses_at_start_from_the_config_alone(tmp_path):
+    """check_sequence_parallel_at_start reads the model folder's config.json only: the tiny folders hold no
+    weights at all, so a refusal (or a pass) here happened before any weight could load."""
+    from ntil_ds.model.sequence_parallel import check_sequence_parallel_at_start
+    from ntil_ds.tiny import build_tiny_model_folder
+
+    llm = build_tiny_model_folder("qwen2", tmp_path / "llm")
+    vl = build_tiny_model_folder("qwen2_vl", tmp_path / "vl")
+    assert not list(llm.glob("*.safetensors")) and not list(vl.glob("*.safetensors"))
+    on = ["parallel.sequence_parallel_size=2", "model.kind=llm", "model.init=random"]
+    check_sequence_parallel_at_start(
+        load_config(RECIPE, [*on, f"model.name_or_path={llm}"]), torch.device("cpu")
+    )
+    with pytest.raises(ConfigError, match="multimodal"):
+        check_sequence_parallel_at_start(load_config(RECIPE, [*on[:1], f"model.name_or_path={vl}"]), None)
+    with pytest.raises(ConfigError, match="data.max_seq_len=8192 .* position window is 4096"):
+        check_sequence_parallel_at_start(
+            load_config(RECIPE, [*on, f"model.name_or_path={llm}", "data.max_seq_len=8192"]), None
+        )
+    with pytest.raises(ConfigError, match="3 ranks"):
+        check_sequence_parallel_at_start(
+            load_config(
+                RECIPE, ["parallel.sequence_parallel_size=3", "model.kind=llm", f"model.name_or_path={llm}"]
+            ),
+            None,
+        )
