@@ -8,7 +8,9 @@ boundary falls inside the answer's first number, which NTIL then reads from digi
 jobs train with NTIL in paper mode, Gumbel noise on (its draws must not depend on the sequence-parallel
 size), and evaluate at the end (teacher-forced and generated answers: in evaluation every rank of the
 group runs whole rows). Compared: every step's labelled tokens, loss, CE, NTIL parts and grad norm, the
-evaluation metrics, and every exported weight (the adapter's, for LoRA). optim.eps=1 makes Adam's step proportional to the gradient
+evaluation metrics, and every exported weight (the adapter's, for LoRA). The recipe's layout, 2
+data-parallel groups of 2 sequence-parallel ranks (4 processes), on rows of different lengths (right
+padding, which Ulysses' attention sees without its mask), equals 2 data-parallel ranks with whole rows. optim.eps=1 makes Adam's step proportional to the gradient
 (not its sign), so the weights check the gradient's scale too.
 """
 
@@ -37,12 +39,14 @@ STEPS = 2
 JOB_TIMEOUT_S = 400
 
 
-def write_long_number_data(path, n: int, seed: int = 0) -> None:
-    """Rows of one length: "Read <k>" -> "It is" and five numbers (8, then 7 digits each)."""
+def write_long_number_data(path, n: int, seed: int = 0, ragged: bool = False) -> None:
+    """Rows of one length: "Read <k>" -> "It is" and five numbers (8, then 7 digits each); ``ragged``:
+    two to five numbers a row, so a micro-batch's rows are right-padded to its longest."""
     rng = random.Random(seed)
     lines = []
     for i in range(n):
-        numbers = [rng.randint(10**7, 10**8 - 1)] + [rng.randint(10**6, 10**7 - 1) for _ in range(4)]
+        count = 2 + (i * 3) % 4 if ragged else 5
+        numbers = [rng.randint(10**7, 10**8 - 1)] + [rng.randint(10**6, 10**7 - 1) for _ in range(count - 1)]
         answer = "It is " + " ".join(str(x) for x in numbers)
         messages = [{"role": "user", "content": f"Read {i % 10}"}, {"role": "assistant", "content": answer}]
         lines.append(json.dumps({"messages": messages}))
@@ -62,6 +66,8 @@ def runs(tmp_path_factory):
     model.save_pretrained(model_dir)
     data = root / "train.jsonl"
     write_long_number_data(data, n=8)
+    ragged = root / "ragged.jsonl"
+    write_long_number_data(ragged, n=8, seed=1, ragged=True)
 
     # Precondition: every row's slice boundary is inside a number (targets on both sides are digits).
     processor = load_processor(model_dir)
@@ -108,6 +114,11 @@ def runs(tmp_path_factory):
         "sp2": (2, sp2),
         "one_lora": (1, {**one, **LORA}),
         "sp2_lora": (2, {**sp2, **LORA, "train.save_every": 1}),
+        # The layout the long-sequence recipe uses (data parallel x sequence parallel), on rows of different
+        # lengths (Ulysses drops the attention mask: right padding must not reach a real token): 4 ranks
+        # as 2 x 2 against 2 data-parallel ranks with whole rows.
+        "dp2_ragged": (2, {**one, "data.train_file": ragged, "data.eval_file": ragged}),
+        "dp2sp2_ragged": (4, {**sp2, "data.train_file": ragged, "data.eval_file": ragged}),
     }
 
     def start(name: str):
@@ -139,7 +150,7 @@ def runs(tmp_path_factory):
     assert rc == 0, output[-6000:]
     assert "resumed from" in output and "step_00000001" in output, output[-3000:]
     results["sp2_lora_resumed"] = _results(resumed_dir, output)
-    return results | {"initial": load_file(model_dir / "model.safetensors")}
+    return results | {"initial": load_file(model_dir / "model.safetensors"), "ragged": ragged}
 
 
 LORA = {
@@ -202,3 +213,14 @@ def test_lora_on_zero2_with_sequence_parallelism_equals_one_process_and_resumes_
     assert_same_run(sp2, runs["one_lora"])
     assert_same_run(resumed, sp2, steps=[STEPS])  # the resumed job trained step 2 again
     assert any(sp2["weights"][n].abs().max() > 0 for n in sp2["weights"] if "lora_B" in n)  # B moved from 0
+
+
+@pytest.mark.timeout(3 * JOB_TIMEOUT_S)
+def test_two_data_parallel_groups_of_two_sequence_ranks_on_ragged_rows_equal_two_ranks_with_whole_rows(runs):
+    layout = runs["dp2sp2_ragged"]
+    assert "Ulysses sequence parallelism: 2 ranks a group" in layout["log"], layout["log"][-3000:]
+    # each step's 4 rows (unshuffled: rows 0-3, then 4-7) have 4 lengths (2-5 numbers an answer), so every
+    # micro-batch, however the ranks share them, is right-padded
+    answers = [json.loads(line)["messages"][1]["content"] for line in runs["ragged"].read_text().splitlines()]
+    assert all(len({len(a) for a in answers[i : i + 4]}) == 4 for i in range(0, len(answers), 4)), answers
+    assert_same_run(layout, runs["dp2_ragged"])
