@@ -194,6 +194,13 @@ def _resume_command(grid, out, *extra):
     ]
 
 
+def _compare(command, timeout=900):
+    """compare.py run to its end, its output captured."""
+    return subprocess.run(
+        command, cwd=REPO_ROOT, env=launch_env(), capture_output=True, text=True, timeout=timeout
+    )
+
+
 @pytest.fixture(scope="module")
 def resumed(comparison, tmp_path_factory):
     """The resume grid stopped after its first record, then started again to its end."""
@@ -210,14 +217,7 @@ def resumed(comparison, tmp_path_factory):
     first.send_signal(signal.SIGTERM)  # the second job has just started: it needs more than 10 s
     stopped_out, _ = first.communicate(timeout=120)
     kept = {p.name: p.read_bytes() for p in records.glob("*.json")}
-    again = subprocess.run(
-        _resume_command(grid, out),
-        cwd=REPO_ROOT,
-        env=launch_env(),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    again = _compare(_resume_command(grid, out))
     return {"out": out, "stopped": first.returncode, "stopped_out": stopped_out, "kept": kept, "again": again}
 
 
@@ -250,17 +250,11 @@ def test_a_stopped_grid_trains_only_the_missing_job_and_equals_the_grid_never_st
 
 def test_a_changed_recipe_on_the_same_records_is_refused_naming_the_field(comparison, resumed):
     grid, _ = comparison
-    changed = subprocess.run(
-        _resume_command(grid, resumed["out"], "train.max_steps=3"),
-        cwd=REPO_ROOT, env=launch_env(), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    changed = _compare(_resume_command(grid, resumed["out"], "train.max_steps=3"), timeout=300)
     assert changed.returncode != 0
     assert "holds the records of another grid" in changed.stderr, changed.stderr[-2000:]
     assert "recipe.train.max_steps: was 2, now 3" in changed.stderr
-    more_threads = subprocess.run(
-        [*_resume_command(grid, resumed["out"]), "--threads", "2"],
-        cwd=REPO_ROOT, env=launch_env(), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    more_threads = _compare([*_resume_command(grid, resumed["out"]), "--threads", "2"], timeout=300)
     assert more_threads.returncode != 0 and "threads: was 1, now 2" in more_threads.stderr
 
 
@@ -272,14 +266,7 @@ def test_a_trained_but_unscored_job_is_scored_not_trained_again(comparison, resu
     record.unlink()  # as if stopped between its training and its scoring
     log = out / "runs" / "ntl-seed0" / "train.log"
     trained_at = os.stat(log).st_mtime_ns
-    again = subprocess.run(
-        _resume_command(grid, out),
-        cwd=REPO_ROOT,
-        env=launch_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    again = _compare(_resume_command(grid, out), timeout=600)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert "trained earlier" in (out / "runs" / "ntl-seed0" / "worker.log").read_text()
     assert os.stat(log).st_mtime_ns == trained_at  # the training job did not run again
