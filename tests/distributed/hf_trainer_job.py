@@ -1,8 +1,8 @@
 """A transformers.Trainer job with NTIL through ntil_ds.integrations (launched by the deepspeed launcher on
 2 CPU ranks by tests/distributed/test_integrations_trainer.py).
 
-The Trainer's own DeepSpeed integration runs ZeRO-3 from the JSON an ntil-ds run of the same recipe wrote
-(its batch and optimizer keys left to the Trainer: "auto"). The samples are ntil-ds's encoding of the data
+The Trainer's own DeepSpeed integration runs ZeRO-3 from the JSON the ntil-ds run of the same recipe reads
+(its batch, clipping and optimizer keys left to the Trainer: "auto"). The samples are ntil-ds's encoding of the data
 file, collated by its collator (so both sides see the same tensors: padding, images, the fake image of a
 text-only micro-batch), the targets handed to the Trainer as Hugging Face labels (unshifted), and in the
 order that gives each rank, at each micro-step, the micro-batch ntil-ds's sampler gives it.
@@ -24,7 +24,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
     parser.add_argument("--data", required=True)
-    parser.add_argument("--deepspeed-json", required=True, help="the deepspeed.json an ntil-ds run wrote")
+    parser.add_argument("--deepspeed-json", required=True, help="the recipe's DeepSpeed JSON")
     parser.add_argument("--out", required=True)
     parser.add_argument("--head", choices=["logits", "labelled"], default="logits")
     parser.add_argument("--micro", type=int, default=2)

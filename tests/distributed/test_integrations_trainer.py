@@ -13,15 +13,17 @@ that are not those of the step's micro-batches differ from ntil-ds's. Adam with 
 from __future__ import annotations
 
 import json
+import subprocess
 
 import pytest
 import torch
 
-from ntil_ds.jobs import REPO_ROOT, run_job
+from ntil_ds.jobs import REPO_ROOT, TRAIN_SCRIPT, launcher_command
 from tests.distributed.tiny_llm import tiny_qwen2_folder, write_sum_data
 from tests.distributed.training_runs import (
+    finish_training,
     launch_env,
-    run_training,
+    start_training,
     train_metrics,
     write_mixed_arithmetic_data,
 )
@@ -30,6 +32,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 STEPS, MICRO, ACCUMULATE, LR, EPS = 2, 2, 2, 1e-3, 1.0
 HF_JOB = REPO_ROOT / "tests" / "distributed" / "hf_trainer_job.py"
+ZERO3 = REPO_ROOT / "configs" / "deepspeed" / "zero3.json"
 
 
 def saved_model(kind: str, root):
@@ -55,8 +58,9 @@ def test_trainer_with_ntil_on_zero3_equals_ntil_ds_trainer(tmp_path, kind, head)
         data = write_sum_data(tmp_path / "data.jsonl", n=samples, seed=3)
     else:
         data = write_mixed_arithmetic_data(tmp_path / "data", n=samples, image_size=56, seed=1)
-    reference = tmp_path / "ntil_ds"
-    result = run_training({
+    reference, logged = tmp_path / "ntil_ds", tmp_path / "hf_log.json"
+    # Both jobs at once (their start-ups overlap on 2 cores); both read the recipe's own ZeRO-3 JSON.
+    ours = start_training(2, TRAIN_SCRIPT, {
         "output_dir": reference, "model.name_or_path": folder, "model.kind": "llm" if kind == "qwen2" else "mllm",
         "model.init": "pretrained", "model.dtype": "float32", "data.train_file": data, "data.eval_file": "",
         "data.max_seq_len": 128, "data.shuffle": "false", "loss.name": "ntil", "loss.gumbel_noise_scale": 0.0,
@@ -64,17 +68,18 @@ def test_trainer_with_ntil_on_zero3_equals_ntil_ds_trainer(tmp_path, kind, head)
         "optim.warmup_steps": 0, "optim.min_lr_ratio": 1.0, "train.max_steps": STEPS,
         "train.micro_batch_size": MICRO, "train.global_batch_size": MICRO * ACCUMULATE * 2, "train.log_every": 1,
         "train.save_every": 0, "train.export_at_end": "false", "tracking.enabled": "false", "resume": "none",
-    })  # fmt: skip
-    assert result.returncode == 0, result.stdout[-5000:]
-    logged = tmp_path / "hf_log.json"
-    hf = run_job(
-        HF_JOB,
-        ["--model", str(folder), "--data", str(data), "--deepspeed-json", str(reference / "deepspeed.json"),
-         "--out", str(logged), "--head", head, "--micro", str(MICRO), "--accumulate", str(ACCUMULATE),
-         "--steps", str(STEPS), "--lr", str(LR), "--eps", str(EPS)],
-        nproc=2, launcher="deepspeed", env=launch_env(), timeout=540,
+        "deepspeed": ZERO3,
+    }, launch_env())  # fmt: skip
+    theirs = subprocess.Popen(
+        launcher_command("deepspeed", 2, HF_JOB, [
+            "--model", str(folder), "--data", str(data), "--deepspeed-json", str(ZERO3), "--out", str(logged),
+            "--head", head, "--micro", str(MICRO), "--accumulate", str(ACCUMULATE), "--steps", str(STEPS),
+            "--lr", str(LR), "--eps", str(EPS)]),
+        cwd=REPO_ROOT, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
-    assert hf.returncode == 0, hf.stdout[-5000:]
+    for job in (ours, theirs):
+        code, output = finish_training(job)
+        assert code == 0, output[-5000:]
     trainer_steps = [record for record in json.loads(logged.read_text()) if "loss" in record]
     assert [record["step"] for record in trainer_steps] == list(range(1, STEPS + 1))
     ours = train_metrics(reference)
