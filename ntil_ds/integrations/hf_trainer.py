@@ -110,15 +110,20 @@ class NTILStepCallback(TrainerCallback):
         self.meter.step = state.global_step
 
 
-def _log_with_parts(trainer, logs: dict[str, float], *args, **kwargs) -> None:
-    """``Trainer.log`` with the parts merged in first: into the log history, the console and every reporting
-    callback (MLflow's included), with the loss they belong to."""
-    meter = trainer.compute_loss_func.meter
-    for mode, key, prefix in (("train", "loss", ""), ("eval", "eval_loss", "eval_")):
-        if key in logs:
-            parts = meter.take(mode, trainer.args.device)
-            logs = {**logs, **{f"{prefix}{name}": value for name, value in parts.items()}}
-    return type(trainer).log(trainer, logs, *args, **kwargs)
+def report_parts(trainer: Any, meter: PartsMeter) -> None:
+    """``trainer.log`` with the parts merged in first: into the log history, the console and every reporting
+    callback (MLflow's included), with the loss they belong to; and the step the loss's ramp reads."""
+    own_log = trainer.log  # a subclass's (TRL's, ms-swift's) included
+
+    def log(logs: dict[str, float], *args, **kwargs):
+        for mode, key, prefix in (("train", "loss", ""), ("eval", "eval_loss", "eval_")):
+            if key in logs:
+                parts = meter.take(mode, trainer.args.device)
+                logs = {**logs, **{f"{prefix}{name}": value for name, value in parts.items()}}
+        return own_log(logs, *args, **kwargs)
+
+    trainer.log = log
+    trainer.add_callback(NTILStepCallback(meter))
 
 
 class NTILComputeLoss:
@@ -171,8 +176,7 @@ def attach_ntil(
     trainer.compute_loss_func = hook
     if head == "labelled":
         trainer.compute_loss = types.MethodType(_labelled_compute_loss, trainer)
-    trainer.log = types.MethodType(_log_with_parts, trainer)
-    trainer.add_callback(NTILStepCallback(hook.meter))
+    report_parts(trainer, hook.meter)
     return hook
 
 
