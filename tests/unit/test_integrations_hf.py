@@ -10,6 +10,8 @@ reach the logs fail here. (Under DeepSpeed ZeRO-3 on 2 ranks: tests/distributed/
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -94,6 +96,13 @@ def assert_logged_as(logged: dict, expected: dict) -> None:
 
 def test_ntil_loss_is_the_recipes_loss_and_refuses_what_the_recipe_refuses(tiny_qwen2):
     _, tokenizer = tiny_qwen2
+    imports = (
+        "import sys; from ntil_ds import ntil_loss, NTILLoss, attach_ntil; print('deepspeed' in sys.modules)"
+    )
+    assert (
+        subprocess.run([sys.executable, "-c", imports], capture_output=True, text=True).stdout.strip()
+        == "False"
+    )
     loss = ntil_loss(tokenizer, **LOSS_KEYS)
     assert type(loss) is NTILLoss and loss.ntil_lambda == 0.3 and loss.kernel == "torch"
     assert loss.digit_token_ids == digit_token_ids_from_tokenizer(tokenizer)
@@ -124,8 +133,11 @@ def test_ntil_loss_is_the_recipes_loss_and_refuses_what_the_recipe_refuses(tiny_
         ntil_loss(_tokenizer(FROM_THE_RIGHT, "tiny-right"))
 
 
-@pytest.mark.parametrize("head", ["logits", "labelled"])
-def test_trainer_with_accumulation_logs_the_reference_loss_grad_norm_and_parts(tiny_qwen2, tmp_path, head):
+@pytest.mark.parametrize(("head", "shifted"), [("logits", False), ("labelled", False), ("labelled", True)])
+def test_trainer_with_accumulation_logs_the_reference_loss_grad_norm_and_parts(
+    tiny_qwen2, tmp_path, head, shifted
+):
+    """``shifted``: the collator hands over ``shift_labels`` (aligned already, as padding-free collators do)."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, DataCollatorForSeq2Seq, Trainer
 
