@@ -180,3 +180,28 @@ def test_sft_trainer_trains_ntil_and_logs_the_reference_parts(tiny_qwen2, tmp_pa
     with pytest.raises(ValueError, match="loss_type='nll'"):
         attach_ntil(SFTTrainer(model=model, args=SFTConfig(**{**args, "loss_type": "dft"}), train_dataset=data,
                                processing_class=tokenizer), tokenizer)  # fmt: skip
+
+
+def test_evaluation_logs_the_eval_parts_alike_on_both_routes(tiny_qwen2, tmp_path):
+    """Evaluation through either route: the same eval loss and eval_-prefixed parts (the labelled head
+    returns the loss without logits)."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, DataCollatorForSeq2Seq, Trainer
+
+    folder, tokenizer = tiny_qwen2
+    rows = Dataset.from_list(tokenized(tokenizer, MICRO * ACCUMULATE))
+    logged = {}
+    for head in ("logits", "labelled"):
+        args = training_args(
+            tmp_path / head, eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=MICRO
+        )
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        trainer = Trainer(model=model, args=args, train_dataset=rows, eval_dataset=rows,
+                          data_collator=DataCollatorForSeq2Seq(tokenizer, padding=True))  # fmt: skip
+        attach_ntil(trainer, tokenizer, head=head, **LOSS_KEYS)
+        trainer.train()
+        (logged[head],) = [record for record in trainer.state.log_history if "eval_loss" in record]
+    for name in ("eval_loss", "eval_ce", "eval_emd", "eval_rel", "eval_mag", "eval_ntil"):
+        assert logged["labelled"][name] == pytest.approx(logged["logits"][name], rel=1e-5), name
+    # the Trainer's eval_loss is a mean over batches of (1 + lambda) x each batch's CE; eval_ce is over tokens
+    assert 1.2 * logged["logits"]["eval_ce"] < logged["logits"]["eval_loss"] < 1.4 * logged["logits"]["eval_ce"]
