@@ -204,4 +204,6 @@ def test_evaluation_logs_the_eval_parts_alike_on_both_routes(tiny_qwen2, tmp_pat
     for name in ("eval_loss", "eval_ce", "eval_emd", "eval_rel", "eval_mag", "eval_ntil"):
         assert logged["labelled"][name] == pytest.approx(logged["logits"][name], rel=1e-5), name
     # the Trainer's eval_loss is a mean over batches of (1 + lambda) x each batch's CE; eval_ce is over tokens
-    assert 1.2 * logged["logits"]["eval_ce"] < logged["logits"]["eval_loss"] < 1.4 * logged["logits"]["eval_ce"]
+    assert (
+        1.2 * logged["logits"]["eval_ce"] < logged["logits"]["eval_loss"] < 1.4 * logged["logits"]["eval_ce"]
+    )
