@@ -130,10 +130,9 @@ class NTILComputeLoss:
     """``compute_loss_func(outputs, labels, num_items_in_batch=None)`` for ``transformers.Trainer``: NTIL on
     the outputs' logits (see the module docstring for the normalisation)."""
 
-    def __init__(self, loss: NTILLoss, meter: PartsMeter | None = None) -> None:
+    def __init__(self, loss: NTILLoss) -> None:
         self.loss = loss
-        self.meter = meter or PartsMeter()
-        self.processes = 1  # what the trainer's DDP/DeepSpeed averaging divides by (attach_ntil sets it)
+        self.meter = PartsMeter()
 
     def __call__(self, outputs: Any, labels: torch.Tensor | None, num_items_in_batch=None, shift_labels=None):
         logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
@@ -170,7 +169,6 @@ def attach_ntil(
             f"head={head!r}: expected 'logits' (compute_loss_func) or 'labelled' (the labelled head)"
         )
     hook = NTILComputeLoss(loss)
-    hook.processes = _averaged_processes(trainer)
     # Set either way: the Trainer counts num_items_in_batch, and leaves the accumulation scaling to the loss,
     # when a compute_loss_func is set.
     trainer.compute_loss_func = hook
@@ -201,7 +199,9 @@ def _labelled_compute_loss(trainer, model, inputs, return_outputs=False, num_ite
     hook.meter.add(out, "train" if training else "eval")
     loss = hook.normalised(out, num_items_in_batch)
     if trainer.args.average_tokens_across_devices and num_items_in_batch is not None:
-        loss = loss * hook.processes  # as Trainer.compute_loss: DDP/DeepSpeed then average over the ranks
+        loss = loss * _averaged_processes(
+            trainer
+        )  # as Trainer.compute_loss: DDP/DeepSpeed then average over the ranks
     return (loss, {"loss": loss}) if return_outputs else loss
 
 

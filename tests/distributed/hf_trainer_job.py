@@ -44,10 +44,8 @@ def main() -> None:
     from ntil_ds.data import Collator, ConversationDataset, is_multimodal, load_processor
     from ntil_ds.integrations import attach_ntil
 
+    # The recipe's JSON holds no batch sizes, clipping or optimizer (ntil-ds merges them): the Trainer's are "auto"
     deepspeed = json.loads(Path(args.deepspeed_json).read_text())
-    for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-                "gradient_clipping", "optimizer", "scheduler"):  # fmt: skip
-        deepspeed.pop(key, None)
     deepspeed.update(train_micro_batch_size_per_gpu="auto", gradient_accumulation_steps="auto",
                      train_batch_size="auto", gradient_clipping="auto")  # fmt: skip
 
