@@ -17,6 +17,7 @@ draws what the first run drew.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +36,7 @@ from ntil_ds.labelled_forward import (
 )
 from ntil_ds.loss import NTILLoss, NTILOutput
 from ntil_ds.loss.sequence_shards import SequenceShard
+from ntil_ds.model.sequence_parallel import slice_after_merge
 from ntil_ds.model.tensor_parallel import VocabShard
 from ntil_ds.moe import RouterTerms, router_metrics
 
@@ -91,7 +93,10 @@ class Objective:
         """``[B, T, V_local]``: this rank's vocabulary slice of the logits."""
         inputs = micro_batch.model_inputs(self.device, self.dtype)
         extra = self.router.forward_kwargs if self.router is not None else {}
-        output = self.engine.forward(**inputs, use_cache=False, **extra)
+        # A multimodal model's sliced micro-batch: whole rows in, the language model takes this rank's slice.
+        whole_rows = micro_batch.whole_rows is not None
+        with slice_after_merge(self.engine.module, micro_batch.sequence) if whole_rows else nullcontext():
+            output = self.engine.forward(**inputs, use_cache=False, **extra)
         if self.router is not None:
             self.router.record(output, inputs.get("attention_mask"))
         return output.logits

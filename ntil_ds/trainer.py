@@ -120,8 +120,7 @@ class Trainer:
         self.eval_data = self._dataset(cfg.data.eval_file) if cfg.data.eval_file else None
         # Same seed on every rank: random init is identical everywhere (ZeRO-3 keeps one slice each).
         _seed_everything(cfg.train.seed)
-        # keeps the ZeRO-3 config alive with the model; lora: peft adapters when cfg.lora.enabled
-        # (lora.head=number_rows trains the head's rows of the tokens NTIL reads)
+        # lora: peft adapters when cfg.lora.enabled (lora.head=number_rows: the head's rows NTIL reads)
         number_rows = None
         if cfg.lora.enabled and cfg.lora.head == "number_rows":
             c = cfg.loss
@@ -328,6 +327,7 @@ class Trainer:
             micro_batch_size=self.cfg.train.micro_batch_size,
             max_tokens=self.cfg.data.max_tokens_per_micro_batch,
             sequence_slice=(self.dist.sp_rank, self.dist.sp_size) if self.dist.sp_size > 1 else None,
+            multimodal=self.loaded.kind == "mllm",  # under SP it slices after merging images into the text
         )
         return step_loader(steps, self.cfg.data.num_workers, pin_memory=self.device.type == "cuda")
 

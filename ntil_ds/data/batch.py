@@ -28,6 +28,10 @@ class MicroBatch:
     tensors: dict[str, torch.Tensor]  # the collator's output: model inputs, ``targets``, packing keys
     # Sequence parallelism: the tensors are this rank's slice of the collated rows (``slice_sequence``).
     sequence: SequenceSlice | None = None
+    # A sliced micro-batch with images: the model inputs of the whole rows. The model runs its vision tower
+    # and merges the images into the text embeddings on whole rows, then its language model takes this
+    # rank's slice of them (ntil_ds.model.sequence_parallel.slice_after_merge).
+    whole_rows: dict[str, torch.Tensor] | None = None
     num_targets: int = field(init=False)  # positions with a target (the loss's token count)
     num_input_tokens: int = field(init=False)  # real input tokens (attention_mask 1): the throughput
     # Flat positions ``b * T + t`` with a target, ascending: where loss.logits=labelled runs the head.
@@ -51,15 +55,13 @@ class MicroBatch:
         """The model's keyword arguments on ``device`` (asynchronous copies from pinned memory), floating
         tensors (pixels) in the model's dtype. A packed batch goes without attention_mask: transformers
         then separates the samples by their restarting position_ids (ntil_ds/data/packing.py); so does a
-        sequence slice, whose attention (DeepSpeed Ulysses) masks causally by the gathered position_ids."""
+        sequence slice, whose attention (DeepSpeed Ulysses) masks causally by the gathered position_ids.
+        A sliced micro-batch with images gives the whole rows (``whole_rows``, with their attention_mask:
+        multimodal rotary positions are computed from it on the whole row)."""
+        if self.whole_rows is not None:
+            return _to_device(self.whole_rows, device, float_dtype)
         skip = {*NOT_MODEL_INPUTS, *(("attention_mask",) if self.packed or self.sequence else ())}
-        return {
-            key: value.to(
-                device, dtype=float_dtype if value.is_floating_point() else value.dtype, non_blocking=True
-            )
-            for key, value in self.tensors.items()
-            if key not in skip
-        }
+        return _to_device({k: v for k, v in self.tensors.items() if k not in skip}, device, float_dtype)
 
     def loss_inputs(self, device: torch.device) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """``(targets, extra)`` on ``device``: ``extra`` holds ``unpack_index`` for a packed batch (NTIL's
@@ -75,18 +77,24 @@ class MicroBatch:
         """The same inputs with every target ignored: a filler forward that trains and scores nothing (a
         rank with fewer evaluation samples runs it so every rank runs as many forwards)."""
         tensors = dict(self.tensors, targets=torch.full_like(self.targets, IGNORE_INDEX))
-        return MicroBatch(sample_ids=[], tensors=tensors, sequence=self.sequence)
+        return MicroBatch(sample_ids=[], tensors=tensors, sequence=self.sequence, whole_rows=self.whole_rows)
 
     def pin_memory(self) -> MicroBatch:
         """Called by the data loader's pinning thread (``pin_memory=True`` on CUDA)."""
-        pinned = {key: value.pin_memory() for key, value in self.tensors.items()}
-        return MicroBatch(self.sample_ids, pinned, sequence=self.sequence)
 
-    def slice_sequence(self, rank: int, size: int) -> MicroBatch:
+        def pin(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            return {key: value.pin_memory() for key, value in tensors.items()}
+
+        whole = None if self.whole_rows is None else pin(self.whole_rows)
+        return MicroBatch(self.sample_ids, pin(self.tensors), sequence=self.sequence, whole_rows=whole)
+
+    def slice_sequence(self, rank: int, size: int, *, whole_rows: bool = False) -> MicroBatch:
         """This rank's part of the rows split over ``size`` sequence-parallel ranks: every ``[B, T]``
         tensor padded to a multiple of ``size`` (ignored targets, masked tokens) and cut to positions
         ``[rank * L, (rank + 1) * L)``, with the rows' ``position_ids`` (which the attention gathers to
-        mask causally). Counts (targets, input tokens) are then this slice's: they add up over the group."""
+        mask causally). Counts (targets, input tokens) are then this slice's: they add up over the group.
+        ``whole_rows`` (a multimodal model): the whole rows' model inputs are kept for the model, which
+        slices after merging the images into the text; their pixels and grids are not laid out by position."""
         if self.packed:
             raise ValueError("a packed micro-batch cannot be split on the sequence dimension")
         batch, length = self.targets.shape
@@ -95,10 +103,24 @@ class MicroBatch:
         tensors.setdefault("position_ids", torch.arange(length).expand(batch, length))
         local = {}
         for key, value in tensors.items():
-            if value.shape[:2] != (batch, length):
+            if value.shape[:2] == (batch, length):
+                local[key] = where.part(value, fill=IGNORE_INDEX if key == "targets" else 0)
+            elif not whole_rows:
                 raise ValueError(
                     f"{key} {tuple(value.shape)} is not laid out by position [B={batch}, T={length}, ...]: "
-                    "sequence parallelism splits text-only batches (images are not split)"
+                    "only a multimodal model's micro-batch carries images (whole_rows=True)"
                 )
-            local[key] = where.part(value, fill=IGNORE_INDEX if key == "targets" else 0)
-        return MicroBatch(self.sample_ids, local, sequence=where)
+        whole = {k: v for k, v in self.tensors.items() if k not in NOT_MODEL_INPUTS} if whole_rows else None
+        return MicroBatch(self.sample_ids, local, sequence=where, whole_rows=whole)
+
+
+def _to_device(
+    tensors: dict[str, torch.Tensor], device: torch.device, float_dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """Asynchronous copies to ``device`` (from pinned memory), floating tensors (pixels) in ``float_dtype``."""
+    return {
+        key: value.to(
+            device, dtype=float_dtype if value.is_floating_point() else value.dtype, non_blocking=True
+        )
+        for key, value in tensors.items()
+    }

@@ -43,9 +43,11 @@ class StepBatches(torch.utils.data.Dataset):
         micro_batch_size: int,
         max_tokens: int = 0,
         sequence_slice: tuple[int, int] | None = None,
+        multimodal: bool = False,
     ) -> None:
         """``sequence_slice``: (rank, size) of this rank in its sequence-parallel group: every micro-batch
-        is this rank's slice of the rows (``MicroBatch.slice_sequence``)."""
+        is this rank's slice of the rows (``MicroBatch.slice_sequence``), keeping the whole rows' model
+        inputs for a ``multimodal`` model (it slices after merging the images)."""
         if max_tokens == 0 and samples_per_rank % micro_batch_size:
             raise ValueError(
                 f"{samples_per_rank} samples per step do not split into micro-batches of {micro_batch_size}"
@@ -57,6 +59,7 @@ class StepBatches(torch.utils.data.Dataset):
         self.micro_batch_size = micro_batch_size
         self.max_tokens = max_tokens
         self.sequence_slice = sequence_slice
+        self.multimodal = multimodal
         self.start_consumed = sampler.consumed_samples  # frozen: items are a function of k alone
 
     def step_groups(self, k: int) -> list[list[int]]:
@@ -86,7 +89,7 @@ class StepBatches(torch.utils.data.Dataset):
         ]
         if self.sequence_slice is None:
             return batches
-        return [batch.slice_sequence(*self.sequence_slice) for batch in batches]
+        return [batch.slice_sequence(*self.sequence_slice, whole_rows=self.multimodal) for batch in batches]
 
     def __len__(self) -> int:  # endless; DataLoader only asks when it has no sampler
         raise TypeError("StepBatches is endless")

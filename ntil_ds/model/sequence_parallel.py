@@ -7,18 +7,45 @@ function transformers calls (sdpa, flash), so the model's attention must be one 
 wraps softmax attention, so layers that carry a state along the row (Gated DeltaNet) would see a slice
 of it; it drops the attention mask, so a sliding window (which lives only in the mask on sdpa) would
 silently become full attention. A row longer than the model's position window needs rope scaling.
-Everything here reads the model's config alone: the trainer runs it at start, before any weight loads. A vision tower would run on each rank's slice of tokens it cannot read alone: the multimodal
-families are refused until their merged embeddings are sliced after the tower.
+The checks read the model's config alone: the trainer runs them at start, before any weight loads.
+
+A multimodal model cannot take a slice of its rows: an image's patches may straddle the cut, and its
+rotary positions (Qwen's 3-D mrope) count from the image's place in the whole row. So it takes whole
+rows, runs its vision tower and merges the images into the text embeddings as on one process, and
+:func:`slice_after_merge` cuts what it then hands its language model: the merged embeddings, the
+positions computed on whole rows, Qwen3-VL's deepstack features. Every rank of a group runs the vision
+tower on all the group's images (their gradients reach each rank only through its own slice, so the
+group's gradients add up to one process's, like the text embeddings').
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import partial
 from typing import Any
+
+import torch
 
 from ntil_ds.config import ConfigError
 from ntil_ds.model.parts import has_vision, num_experts, text_config_of
 
 WRAPPABLE_ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
+
+# Multimodal families whose model merges the images into the text embeddings and then calls its language
+# model with keywords that slice_after_merge knows how to cut (each checked by
+# tests/unit/test_sequence_parallel_multimodal.py: what the language model takes is the slice of the whole
+# rows'; Qwen2-VL also end to end against one process, tests/distributed/test_sequence_parallel.py).
+SLICED_AFTER_MERGE = (
+    "qwen2_vl",
+    "qwen2_5_vl",
+    "qwen3_vl",
+    "glm4v",
+    "llava",
+    "mistral3",
+    "internvl",
+    "smolvlm",
+)
 
 
 def check_sequence_parallel_supported(
@@ -30,11 +57,16 @@ def check_sequence_parallel_supported(
     text = text_config_of(config)
     name = getattr(config, "model_type", "this model")
     key = f"parallel.sequence_parallel_size={size}"
-    if has_vision(config):
+    if has_vision(config) and name not in SLICED_AFTER_MERGE:
+        why = (
+            "its language model reads the images through cross-attention layers, whose keys are the image, "
+            "not the sequence Ulysses splits"
+            if getattr(text, "cross_attention_layers", None)
+            else "its language model takes inputs that ntil-ds does not know how to slice"
+        )
         raise ConfigError(
-            f"{key} with {name!r}, a multimodal model: sequence parallelism splits text-only models so far "
-            "(the vision tower's merged embeddings are not sliced yet); train it with "
-            "parallel.sequence_parallel_size=1"
+            f"{key} with {name!r}, a multimodal model: {why}. Sequence parallelism trains the multimodal "
+            f"families {', '.join(SLICED_AFTER_MERGE)}; train this one with parallel.sequence_parallel_size=1"
         )
     if num_experts(config):
         raise ConfigError(
@@ -110,3 +142,64 @@ def check_sequence_parallel_at_start(cfg: Any, device: Any) -> None:
     check_sequence_parallel_supported(
         config, cfg.parallel.sequence_parallel_size, max_seq_len=cfg.data.max_seq_len, attention=attention
     )
+
+
+@contextmanager
+def slice_after_merge(model: torch.nn.Module, where: Any) -> Iterator[None]:
+    """Within: the language model of multimodal ``model``, called on whole rows, takes this rank's slice
+    ``where`` (a :class:`ntil_ds.dist.SequenceSlice`) of what the model built on them (the module
+    docstring): the merged embeddings, the rotary positions, Qwen3-VL's deepstack features. No attention
+    mask: Ulysses masks causally by the gathered positions, for which the row's text positions come first."""
+    handle = language_model_of(model).register_forward_pre_hook(partial(_take_slice, where), with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def language_model_of(model: torch.nn.Module) -> torch.nn.Module:
+    """A multimodal model's language model (the outermost module so named, under adapters too)."""
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] in ("language_model", "text_model"):
+            return module
+    raise ValueError(f"{type(model).__name__} has no language_model or text_model to slice the rows for")
+
+
+def _take_slice(where: Any, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    embeds = kwargs.get("inputs_embeds")
+    if args or embeds is None:
+        raise RuntimeError(
+            f"{type(module).__name__} was called without inputs_embeds as a keyword: this family does not "
+            "merge images before its language model as sequence parallelism needs"
+        )
+    batch, length = embeds.shape[:2]
+    text_positions = torch.arange(length, device=embeds.device).expand(batch, length)
+    positions = kwargs.get("position_ids")
+    if positions is None:
+        positions = text_positions
+    elif positions.ndim == 3 and positions.shape[0] == 3:  # (temporal, height, width): text positions first
+        positions = torch.cat([text_positions[None], positions])
+    sliced = dict(kwargs, inputs_embeds=where.part(embeds), attention_mask=None)
+    if positions.ndim == 2:
+        sliced["position_ids"] = where.part(positions)
+    else:  # [4, B, T]: cut along T
+        sliced["position_ids"] = where.part(positions.movedim(0, -1)).movedim(-1, 0)
+    visual = kwargs.get("visual_pos_masks")
+    if visual is not None:  # Qwen3-VL's deepstack: features for the image positions, in row-major order
+        order = visual.flatten().cumsum(0).reshape(visual.shape) - 1
+        sliced["visual_pos_masks"] = where.part(visual)
+        index = where.part(order)[sliced["visual_pos_masks"]]
+        sliced["deepstack_visual_embeds"] = [e[index] for e in kwargs["deepstack_visual_embeds"]]
+    for key, value in kwargs.items():  # anything else laid out by position would reach attention uncut
+        if key not in _SLICED_KEYS and isinstance(value, torch.Tensor) and value.shape[:2] == (batch, length):
+            raise RuntimeError(f"{type(module).__name__} takes {key} by position, which is not sliced")
+    return (), sliced
+
+
+_SLICED_KEYS = (
+    "inputs_embeds",
+    "attention_mask",
+    "position_ids",
+    "visual_pos_masks",
+    "deepstack_visual_embeds",
+)

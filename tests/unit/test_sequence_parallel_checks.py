@@ -108,11 +108,18 @@ def test_a_micro_batch_slices_into_padded_parts_whose_counts_add_up(size):
     assert "attention_mask" not in inputs and "position_ids" in inputs  # Ulysses masks by positions
 
 
-def test_a_micro_batch_with_images_or_packed_rows_is_not_sliced():
+def test_a_micro_batch_with_images_keeps_its_whole_rows_and_packed_rows_are_not_sliced():
     batch = _micro_batch([7, 7], 7)
     with_pixels = MicroBatch([0, 1], dict(batch.tensors, pixel_values=torch.zeros(40, 12)))
     with pytest.raises(ValueError, match="pixel_values"):
         with_pixels.slice_sequence(0, 2)
+    # A multimodal model's micro-batch keeps its whole rows (pixels too) for the model to slice after merging.
+    sliced = with_pixels.slice_sequence(1, 2, whole_rows=True)
+    inputs = sliced.model_inputs(torch.device("cpu"), torch.float32)
+    assert inputs.keys() == {"input_ids", "attention_mask", "pixel_values"}
+    assert torch.equal(inputs["input_ids"], batch.tensors["input_ids"])
+    assert sliced.targets.shape == (2, 4) and torch.equal(sliced.targets[:, :3], batch.targets[:, 4:])
+    assert "pixel_values" not in sliced.tensors
     packed = MicroBatch([0], dict(batch.tensors, unpack_index=torch.zeros(2, 7, dtype=torch.long)))
     with pytest.raises(ValueError, match="packed"):
         packed.slice_sequence(0, 2)
@@ -164,13 +171,15 @@ def test_the_trainer_refuses_at_start_from_the_config_alone(tmp_path):
 
     llm = build_tiny_model_folder("qwen2", tmp_path / "llm")
     vl = build_tiny_model_folder("qwen2_vl", tmp_path / "vl")
-    assert not list(llm.glob("*.safetensors")) and not list(vl.glob("*.safetensors"))
+    cross = build_tiny_model_folder("mllama", tmp_path / "cross")
+    assert not [*llm.glob("*.safetensors"), *vl.glob("*.safetensors"), *cross.glob("*.safetensors")]
     on = ["parallel.sequence_parallel_size=2", "model.kind=llm", "model.init=random"]
     check_sequence_parallel_at_start(
         load_config(RECIPE, [*on, f"model.name_or_path={llm}"]), torch.device("cpu")
     )
-    with pytest.raises(ConfigError, match="multimodal"):
-        check_sequence_parallel_at_start(load_config(RECIPE, [*on[:1], f"model.name_or_path={vl}"]), None)
+    check_sequence_parallel_at_start(load_config(RECIPE, [*on[:1], f"model.name_or_path={vl}"]), None)
+    with pytest.raises(ConfigError, match="multimodal model: its language model reads the images through cross"):
+        check_sequence_parallel_at_start(load_config(RECIPE, [*on[:1], f"model.name_or_path={cross}"]), None)
     with pytest.raises(ConfigError, match="data.max_seq_len=8192 .* position window is 4096"):
         check_sequence_parallel_at_start(
             load_config(RECIPE, [*on, f"model.name_or_path={llm}", "data.max_seq_len=8192"]), None
