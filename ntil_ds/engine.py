@@ -34,7 +34,8 @@ from ntil_ds.dist import (
     make_peer_check_group,
 )
 from ntil_ds.ds_config import optimizer_build_problem
-from ntil_ds.model.parts import expert_modules, num_experts
+from ntil_ds.model.parts import expert_modules, has_vision, num_experts
+from ntil_ds.model.sequence_parallel import ulysses_for_the_language_model_only
 
 logger = logging.getLogger(__name__)
 
@@ -162,11 +163,13 @@ def register_sequence_parallel(model: torch.nn.Module, cfg: Config, ds_config: d
             "by bucket size (see TrainingEngine.gradient_average_size); remove reduce_scatter from the JSON"
         )
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     attention = model.config._attn_implementation
     if dist.get_rank() == 0:
         logger.info("Ulysses sequence parallelism: %d ranks a group, around %s attention", size, attention)
-    return UlyssesSPAttentionHF.register_with_transformers(
+    whole_rows_attention = ALL_ATTENTION_FUNCTIONS[attention]
+    mpu = UlyssesSPAttentionHF.register_with_transformers(
         model_name_or_path=model,
         core_attn_implementation=attention,
         sequence_parallel_size=size,
@@ -174,6 +177,9 @@ def register_sequence_parallel(model: torch.nn.Module, cfg: Config, ds_config: d
         seq_length_is_variable=True,  # rows are padded per micro-batch, not to one length
         disable_in_eval=True,
     )
+    if has_vision(model.config):  # the vision tower attends within whole images, on every rank
+        ulysses_for_the_language_model_only(model, attention, whole_rows_attention)
+    return mpu
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -157,6 +157,21 @@ def slice_after_merge(model: torch.nn.Module, where: Any) -> Iterator[None]:
         handle.remove()
 
 
+def ulysses_for_the_language_model_only(model: torch.nn.Module, key: str, whole_rows_attention: Any) -> None:
+    """DeepSpeed's Ulysses replaces transformers' attention function ``key`` for every module in the
+    process, the vision tower's too, which attends within whole images on every rank: its attention goes
+    back to ``whole_rows_attention`` (the function Ulysses replaced), the language model's stays Ulysses'."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    ulysses = ALL_ATTENTION_FUNCTIONS[key]
+    language = {id(module) for module in language_model_of(model).modules()}
+
+    def by_module(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return (ulysses if id(module) in language else whole_rows_attention)(module, *args, **kwargs)
+
+    ALL_ATTENTION_FUNCTIONS[key] = by_module
+
+
 def language_model_of(model: torch.nn.Module) -> torch.nn.Module:
     """A multimodal model's language model (the outermost module so named, under adapters too)."""
     for name, module in model.named_modules():

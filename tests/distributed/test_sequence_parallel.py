@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -39,6 +40,31 @@ STEPS = 2
 JOB_TIMEOUT_S = 400
 
 
+def write_two_clock_data(out_dir, n: int, seed: int = 0) -> Path:
+    """Two turns a row, each with a clock image (4 image tokens on the tiny Qwen2-VL): "HH:MM" and two
+    numbers (8 and 7 digits) after the first, "HH:MM" after the second. Every row is 114 tokens: the cut
+    at 57 falls inside the first answer's 8-digit number, with one image on each side of it."""
+    from ntil_ds.data.synthetic import make_clock_easy
+
+    rng = random.Random(seed)
+    (out_dir / "images").mkdir(parents=True, exist_ok=True)
+    lines = []
+    for i in range(n):
+        turns = []
+        for turn, clock in enumerate((make_clock_easy(rng), make_clock_easy(rng))):
+            path = f"images/{i}_{turn}.png"
+            clock.image.save(out_dir / path)
+            numbers = f" {rng.randint(10**7, 10**8 - 1)} {rng.randint(10**6, 10**7 - 1)}" if turn == 0 else ""
+            content = [{"type": "image", "image": path}, {"type": "text", "text": clock.question}]
+            turns += [
+                {"role": "user", "content": content},
+                {"role": "assistant", "content": clock.answer + numbers},
+            ]
+        lines.append(json.dumps({"messages": turns}))
+    (out_dir / "train.jsonl").write_text("\n".join(lines) + "\n")
+    return out_dir / "train.jsonl"
+
+
 def write_long_number_data(path, n: int, seed: int = 0, ragged: bool = False) -> None:
     """Rows of one length: "Read <k>" -> "It is" and five numbers (8, then 7 digits each); ``ragged``:
     two to five numbers a row, so a micro-batch's rows are right-padded to its longest."""
@@ -55,9 +81,10 @@ def write_long_number_data(path, n: int, seed: int = 0, ragged: bool = False) ->
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     from ntil_ds.data import ConversationDataset, load_processor
+    from ntil_ds.tiny import build_tiny_model_folder
 
     root = tmp_path_factory.mktemp("sequence_parallel")
     model_dir = tiny_qwen2_folder(root / "model")
@@ -107,6 +134,32 @@ def runs(tmp_path_factory):
         "tracking.enabled": "false",
         "resume": "none",
     }
+    # The multimodal model: a tiny Qwen2-VL, whole rows in, each rank's language model on its slice.
+    vl_dir = build_tiny_model_folder("qwen2_vl", root / "vl_model")
+    torch.manual_seed(0)
+    vl_model = AutoModelForImageTextToText.from_config(
+        AutoConfig.from_pretrained(vl_dir), dtype=torch.float32
+    )
+    vl_model.save_pretrained(vl_dir)
+    vl_data = write_two_clock_data(root / "vl_data", n=8)
+    vl_processor = load_processor(vl_dir)
+    vl_digits = {vl_processor.tokenizer.convert_tokens_to_ids(str(d)) for d in range(10)}
+    vl_dataset = ConversationDataset(vl_data, vl_processor, max_seq_len=256)
+    for i in range(len(vl_dataset)):  # precondition: a number across the cut, an image on each side
+        targets, ids = vl_dataset[i]["targets"].tolist(), vl_dataset[i]["input_ids"]
+        assert len(targets) == 114 and targets[56] in vl_digits and targets[57] in vl_digits, (
+            i,
+            targets[50:64],
+        )
+        image = (ids == vl_model.config.image_token_id).nonzero().squeeze(1)
+        assert image.min() < 57 <= image.max(), (i, image.tolist())
+    vl = {
+        "model.name_or_path": vl_dir,
+        "model.kind": "mllm",
+        "data.train_file": vl_data,
+        "data.eval_file": vl_data,
+    }
+
     sp2 = {"parallel.sequence_parallel_size": 2}
     one = {"loss.logits": "all"}
     variants = {  # name: processes, overrides
@@ -119,6 +172,8 @@ def runs(tmp_path_factory):
         # as 2 x 2 against 2 data-parallel ranks with whole rows.
         "dp2_ragged": (2, {**one, "data.train_file": ragged, "data.eval_file": ragged}),
         "dp2sp2_ragged": (4, {**sp2, "data.train_file": ragged, "data.eval_file": ragged}),
+        "vl_one": (1, {**one, **vl}),
+        "vl_sp2": (2, {**sp2, **vl}),
     }
 
     def start(name: str):
@@ -150,7 +205,11 @@ def runs(tmp_path_factory):
     assert rc == 0, output[-6000:]
     assert "resumed from" in output and "step_00000001" in output, output[-3000:]
     results["sp2_lora_resumed"] = _results(resumed_dir, output)
-    return results | {"initial": load_file(model_dir / "model.safetensors"), "ragged": ragged}
+    initial = {
+        "initial": load_file(model_dir / "model.safetensors"),
+        "vl_initial": load_file(vl_dir / "model.safetensors"),
+    }
+    return results | initial | {"ragged": ragged}
 
 
 LORA = {
@@ -224,3 +283,15 @@ def test_two_data_parallel_groups_of_two_sequence_ranks_on_ragged_rows_equal_two
     answers = [json.loads(line)["messages"][1]["content"] for line in runs["ragged"].read_text().splitlines()]
     assert all(len({len(a) for a in answers[i : i + 4]}) == 4 for i in range(0, len(answers), 4)), answers
     assert_same_run(layout, runs["dp2_ragged"])
+
+
+@pytest.mark.timeout(3 * JOB_TIMEOUT_S)
+def test_a_vision_language_model_at_two_sequence_parallel_ranks_trains_as_one_process(runs):
+    """Tiny Qwen2-VL on rows of two clock images, one on each side of the cut, and a number across it:
+    each rank's language model takes its slice of the embeddings merged on whole rows, with the 3-D rotary
+    positions computed on the whole row (a slice would number the second image from its own start)."""
+    sp2, initial = runs["vl_sp2"], runs["vl_initial"]
+    assert "Ulysses sequence parallelism: 2 ranks a group" in sp2["log"], sp2["log"][-3000:]
+    assert_same_run(sp2, runs["vl_one"])
+    vision = [name for name in initial if ".visual." in f".{name}"]
+    assert vision and all(not torch.equal(sp2["weights"][n], initial[n]) for n in vision)  # the tower trained
