@@ -88,6 +88,12 @@ class DistInfo:
         return self.rank // (self.tp_size * self.sp_size)
 
     @property
+    def whole_row_readers(self) -> tuple[int, int]:
+        """(rank, size) among the ranks that can run different whole rows (generation, where nothing is
+        sliced): the ranks of a sequence-parallel group can, those of a tensor-parallel group cannot."""
+        return self.rank // self.tp_size, self.world_size // self.tp_size
+
+    @property
     def sp_rank(self) -> int:
         """This rank's place in its sequence-parallel group (consecutive ranks, as DeepSpeed builds it)."""
         return self.rank % self.sp_size

@@ -34,8 +34,8 @@ from ntil_ds.dist import (
     make_peer_check_group,
 )
 from ntil_ds.ds_config import optimizer_build_problem
-from ntil_ds.model.parts import expert_modules, has_vision, num_experts
-from ntil_ds.model.sequence_parallel import ulysses_for_the_language_model_only
+from ntil_ds.model.parts import expert_modules, num_experts
+from ntil_ds.model.sequence_parallel import route_attention
 
 logger = logging.getLogger(__name__)
 
@@ -150,8 +150,8 @@ def register_sequence_parallel(model: torch.nn.Module, cfg: Config, ds_config: d
     groups of consecutive ranks made (a COLLECTIVE); the ``mpu`` for ``deepspeed.initialize``, which then
     shards ZeRO over, and averages gradients across, the data- and sequence-parallel ranks together
     (the model was checked against the size at the trainer's start: check_sequence_parallel_at_start).
-    None when off. In evaluation (``model.eval()``) the attention is the model's own: every rank of a
-    group evaluates whole rows (the evaluation batches are not sliced)."""
+    None when off. Teacher-forced evaluation runs sliced rows through it too; generation (whole rows,
+    split over the group's ranks) and a vision tower attend as on one process (``route_attention``)."""
     size = cfg.parallel.sequence_parallel_size
     if size == 1:
         return None
@@ -175,10 +175,9 @@ def register_sequence_parallel(model: torch.nn.Module, cfg: Config, ds_config: d
         sequence_parallel_size=size,
         micro_batch_size=cfg.train.micro_batch_size,
         seq_length_is_variable=True,  # rows are padded per micro-batch, not to one length
-        disable_in_eval=True,
+        disable_in_eval=False,  # route_attention decides: sliced evaluation runs it, generation does not
     )
-    if has_vision(model.config):  # the vision tower attends within whole images, on every rank
-        ulysses_for_the_language_model_only(model, attention, whole_rows_attention)
+    route_attention(model, attention, whole_rows_attention)  # whole rows: vision tower, generation
     return mpu
 
 

@@ -169,6 +169,13 @@ class Estimate:
     method: str
     gradient_checkpointing: bool
     dtype: str = "bfloat16"
+    # Teacher-forced evaluation (train.eval_every with an eval file): no activations kept, but the logits
+    # of every position of a micro-batch (of its slice under sequence parallelism) and the loss on them.
+    evaluation_logits: float = 0.0
+
+    @property
+    def evaluation_peak(self) -> float:
+        return self.model_states() + self.evaluation_logits
 
     @property
     def total(self) -> float:
@@ -187,7 +194,7 @@ class Estimate:
 
     @property
     def fits(self) -> bool:
-        return self.total <= self.usable
+        return max(self.total, self.evaluation_peak) <= self.usable
 
     def model_states(self) -> float:
         """What DeepSpeed's estimators cover: weights, gradients, optimizer states, live parameters."""
@@ -221,12 +228,17 @@ class Estimate:
             )
         lines += [f"  {name:<40} {value / GIB:8.2f} GiB" for name, value in rows]
         lines.append(f"  {'total per GPU':<40} {self.total / GIB:8.2f} GiB")
+        if self.evaluation_logits:
+            lines.append(
+                f"  (teacher-forced evaluation: {self.evaluation_peak / GIB:.2f} GiB, the model states and "
+                f"{self.evaluation_logits / GIB:.2f} GiB of logits and loss, every position)"
+            )
         lines.append(
             f"  (activations with checkpointing {other}: {self.activations_other_setting / GIB:.2f} GiB)"
         )
         verdict = "fits" if self.fits else "does NOT fit"
         lines.append(
-            f"{verdict}: {self.total / GIB:.1f} GiB of {self.usable / GIB:.1f} GiB usable per GPU "
+            f"{verdict}: {max(self.total, self.evaluation_peak) / GIB:.1f} GiB of {self.usable / GIB:.1f} GiB usable per GPU "
             f"({self.gpu_memory_gb:g} GB less {CUDA_CONTEXT_GIB} GiB context and {FRAGMENTATION:.0%} headroom)"
         )
         return "\n".join(lines)
@@ -310,6 +322,10 @@ def estimate(cfg: Config, ds_json: dict[str, Any], gpus: int, gpu_memory_gb: flo
     if head_on_labelled_rows(cfg):  # a bound: the labelled rows are at most every position
         logits = min(tokens * vocab / tp, CHUNK_ELEMENTS) * (2 * wbytes + 4)
 
+    # teacher-forced evaluation reads every position's logits (its predictions), with no activations kept
+    evaluating = bool(cfg.train.eval_every and cfg.data.eval_file)
+    evaluation = tokens * vocab * wbytes * (1 + NTIL_PEAK_OVER_LOGITS) / tp if evaluating else 0.0
+
     def activations(checkpointing: bool) -> float:
         kept, recompute = activation_bytes_per_token(hf_config, cfg.model.dtype, checkpointing)
         return tokens * (kept + recompute) / tp
@@ -334,10 +350,12 @@ def estimate(cfg: Config, ds_json: dict[str, Any], gpus: int, gpu_memory_gb: flo
         method=method,
         gradient_checkpointing=ckpt,
         dtype=cfg.model.dtype,
+        evaluation_logits=evaluation,
     )
 
 
 def estimate_as_dict(e: Estimate) -> dict[str, Any]:
     out = {k: v for k, v in dataclasses.asdict(e).items() if k != "counts"}
     out.update(counts=dataclasses.asdict(e.counts), total=e.total, usable=e.usable, fits=e.fits)
+    out.update(evaluation_peak=e.evaluation_peak)
     return json.loads(json.dumps(out))

@@ -36,6 +36,7 @@ from ntil_ds.labelled_forward import (
 )
 from ntil_ds.loss import NTILLoss, NTILOutput
 from ntil_ds.loss.sequence_shards import SequenceShard
+from ntil_ds.model.parts import has_vision
 from ntil_ds.model.sequence_parallel import slice_after_merge
 from ntil_ds.model.tensor_parallel import VocabShard
 from ntil_ds.moe import RouterTerms, router_metrics
@@ -56,6 +57,8 @@ class Objective:
     sequence_group: Any | None = None
 
     def __post_init__(self) -> None:
+        # under sequence parallelism a multimodal model takes whole rows and slices after merging images
+        self.multimodal = has_vision(self.engine.module.config)
         if self.labelled_head:
             if not isinstance(self.loss_fn, NTILLoss):
                 raise TypeError(f"loss.logits=labelled needs NTILLoss, got {type(self.loss_fn).__name__}")

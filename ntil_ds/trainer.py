@@ -327,7 +327,7 @@ class Trainer:
             micro_batch_size=self.cfg.train.micro_batch_size,
             max_tokens=self.cfg.data.max_tokens_per_micro_batch,
             sequence_slice=(self.dist.sp_rank, self.dist.sp_size) if self.dist.sp_size > 1 else None,
-            multimodal=self.loaded.kind == "mllm",  # under SP it slices after merging images into the text
+            multimodal=self.objective.multimodal,  # under SP: whole rows in, sliced after merging images
         )
         return step_loader(steps, self.cfg.data.num_workers, pin_memory=self.device.type == "cuda")
 

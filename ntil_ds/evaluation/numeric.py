@@ -41,7 +41,7 @@ _NOT_LOGGED = ("digit_acc",)
 
 
 def plan_batches(
-    has_image: list[bool], dp_rank: int, dp_size: int, batch_size: int
+    has_image: list[bool], reader: int, readers: int, batch_size: int
 ) -> list[list[tuple[int, bool]]]:
     """This rank's batches as (subset position, answer counted) pairs, image batches first: every rank
     gets as many batches of each kind, in the same order (see the module docstring). A rank with fewer
@@ -51,8 +51,8 @@ def plan_batches(
         positions = [i for i, image in enumerate(has_image) if image is kind]
         if not positions:
             continue
-        per_rank = math.ceil(len(positions) / dp_size)
-        mine = [(i, True) for i in positions[dp_rank::dp_size]]
+        per_rank = math.ceil(len(positions) / readers)
+        mine = [(i, True) for i in positions[reader::readers]]
         mine += [(positions[0], False)] * (per_rank - len(mine))
         batches += [mine[start : start + batch_size] for start in range(0, per_rank, batch_size)]
     return batches
@@ -88,7 +88,8 @@ class NumericEval:
         self.subset = dataset.conversations[: cfg.generate_samples]
         self.references = [split_last_answer(c)[2] for c in self.subset]
         has_image = [bool(c.images) for c in self.subset]
-        self.batches = plan_batches(has_image, dist_info.dp_rank, dist_info.dp_size, cfg.batch_size)
+        # the ranks of a sequence-parallel group answer different prompts: a group generates each once
+        self.batches = plan_batches(has_image, *dist_info.whole_row_readers, cfg.batch_size)
         self.full_vocabulary = None
         if vocab_shard is not None:
             sizes = all_gather_objects(

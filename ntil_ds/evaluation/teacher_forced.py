@@ -5,11 +5,18 @@ answers).
 One forward per micro-batch serves the loss and the predictions. Every rank runs the same number of
 forwards (ZeRO-3 gathers parameters collectively): a rank with fewer eval samples runs a repeat of one
 with every target ignored. The sums of all ranks travel in one named all-reduce.
+
+Under sequence parallelism the ranks of a group evaluate their group's micro-batches once, sliced as in
+training (each rank's logits are its slice's: never a long row's whole logits): each reports its share
+of the loss, and the predictions and targets of the whole rows (small integer tensors) are gathered to
+count accuracies, which the group's first rank adds (a number's places and an answer's correctness span
+the cut).
 """
 
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 
 import torch
 
@@ -19,6 +26,7 @@ from ntil_ds.data import Collator, ConversationDataset
 from ntil_ds.data.batch import MicroBatch
 from ntil_ds.dist import DistInfo, all_reduce_sums, read_to_host
 from ntil_ds.loss.numbers import analyse_numbers
+from ntil_ds.model.sequence_parallel import ulysses_in_evaluation
 from ntil_ds.objective import Objective, gumbel_generator
 
 DIGIT_PLACES_REPORTED = 6  # eval logs digit_acc_pos0 (units) .. digit_acc_pos5
@@ -68,7 +76,12 @@ class TeacherForcedEval:
             ids = mine[b * size : (b + 1) * size]
             chosen = ids or mine[:1] or [0]
             batch = MicroBatch(chosen, self.collator([self.dataset[i] for i in chosen]))
-            out.append(batch if ids else batch.without_targets())
+            batch = batch if ids else batch.without_targets()
+            if self.dist.sp_size > 1:  # this rank's slice of the group's rows
+                batch = batch.slice_sequence(
+                    self.dist.sp_rank, self.dist.sp_size, whole_rows=self.objective.multimodal
+                )
+            out.append(batch)
         return out
 
     @torch.no_grad()
@@ -88,19 +101,25 @@ class TeacherForcedEval:
             DIGIT_PLACES_REPORTED, dtype=torch.float64, device=device
         )
         for index, batch in enumerate(self.batches()):
-            logits = objective.logits(batch)
+            with ulysses_in_evaluation() if batch.sequence else nullcontext():
+                logits = objective.logits(batch)
             generator = gumbel_generator(self.seed, step, index, self.dist.dp_rank, device, evaluation=True)
             out = objective.loss_of_logits(logits, batch, generator)
+            sums["loss_sum"] += out.loss_sum.double()  # sliced: this rank's share
+            sums["ce_sum"] += out.ce_sum.double()
             targets = batch.targets.to(device)
             predicted = objective.argmax_over_vocab(logits)
+            if batch.sequence is not None:  # whole rows, counted once a group
+                shard = objective.sequence_shard(batch)
+                targets, predicted = (shard.gather(t, differentiable=False) for t in (targets, predicted))
+                if self.dist.sp_rank:
+                    continue
             labelled = targets != IGNORE_INDEX
             is_digit = torch.isin(targets, digit_ids)
             correct = predicted == targets
             answered = labelled.any(dim=1)  # rows with something to predict (not the masked filler)
             all_correct = (correct | ~labelled).all(dim=1) & answered
             for name, value in (
-                ("loss_sum", out.loss_sum),
-                ("ce_sum", out.ce_sum),
                 ("tokens", labelled.sum()),
                 ("correct_tokens", (correct & labelled).sum()),
                 ("digits", is_digit.sum()),
@@ -118,6 +137,7 @@ class TeacherForcedEval:
         by_place = {f"digit_acc_pos{k}": right[k] / seen[k] for k in range(DIGIT_PLACES_REPORTED) if seen[k]}
         tokens = max(total["tokens"], 1.0)
         return {
+            "labelled_tokens": total["tokens"],  # each evaluated once (a group's ranks do not repeat it)
             "loss": total["loss_sum"] / tokens,
             "ce": total["ce_sum"] / tokens,
             "token_acc": total["correct_tokens"] / tokens,

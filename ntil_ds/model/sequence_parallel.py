@@ -157,19 +157,38 @@ def slice_after_merge(model: torch.nn.Module, where: Any) -> Iterator[None]:
         handle.remove()
 
 
-def ulysses_for_the_language_model_only(model: torch.nn.Module, key: str, whole_rows_attention: Any) -> None:
+def route_attention(model: torch.nn.Module, key: str, whole_rows_attention: Any) -> None:
     """DeepSpeed's Ulysses replaces transformers' attention function ``key`` for every module in the
-    process, the vision tower's too, which attends within whole images on every rank: its attention goes
-    back to ``whole_rows_attention`` (the function Ulysses replaced), the language model's stays Ulysses'."""
+    process. Put back ``whole_rows_attention`` (the function it replaced) wherever the rows are whole: in a
+    multimodal model's vision tower (it attends within whole images, on every rank), and in evaluation
+    outside :func:`ulysses_in_evaluation` (generation runs whole rows). The language model in training,
+    and in the teacher-forced evaluation of sliced rows, attends through Ulysses."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     ulysses = ALL_ATTENTION_FUNCTIONS[key]
-    language = {id(module) for module in language_model_of(model).modules()}
+    sliced = language_model_of(model) if has_vision(model.config) else model
+    language = {id(module) for module in sliced.modules()}
 
     def by_module(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        return (ulysses if id(module) in language else whole_rows_attention)(module, *args, **kwargs)
+        on_slices = id(module) in language and (module.training or _SlicedEvaluation.on)
+        return (ulysses if on_slices else whole_rows_attention)(module, *args, **kwargs)
 
     ALL_ATTENTION_FUNCTIONS[key] = by_module
+
+
+class _SlicedEvaluation:
+    on = False
+
+
+@contextmanager
+def ulysses_in_evaluation() -> Iterator[None]:
+    """Within: a model in evaluation mode attends through Ulysses, for the teacher-forced evaluation of
+    sliced rows (outside it, evaluation attends to whole rows: generation)."""
+    _SlicedEvaluation.on = True
+    try:
+        yield
+    finally:
+        _SlicedEvaluation.on = False
 
 
 def language_model_of(model: torch.nn.Module) -> torch.nn.Module:
