@@ -10,7 +10,10 @@ import torch
 
 from ntil_ds.config import load_config
 from ntil_ds.memory_estimate import (
+    CUDA_CONTEXT_GIB,
+    FRAGMENTATION,
     GIB,
+    NTIL_PEAK_OVER_LOGITS,
     activation_bytes_per_token,
     count_parameters,
     estimate,
@@ -433,3 +436,27 @@ def test_cli_reports_active_parameters_and_the_expert_block(capsys):
     assert "one layer's expert block: 604.0 M parameters, 1.12 GiB gathered" in out
     total = 31_070_754_032
     assert f"active per token {(total - 48 * 120 * 3 * 2048 * 768) / 1e9:.2f} B" in out
+
+
+def test_teacher_forced_evaluation_peak_counts_every_positions_logits_of_the_slice():
+    """Evaluation keeps no activations but reads the logits of every position (of each rank's slice under
+    sequence parallelism): its peak is the model states and those logits with the loss's, and a recipe
+    fits only if both its training step and its evaluation do."""
+    import json
+
+    recipe = REPO_ROOT / "configs" / "train" / "qwen25_7b_64k_sequence_parallel.yaml"
+    ds_json = json.loads((REPO_ROOT / "configs" / "deepspeed" / "zero3.json").read_text())
+    cfg = load_config(recipe)
+    got = estimate(cfg, ds_json, 8, 40)
+    slice_tokens = cfg.data.max_seq_len // cfg.parallel.sequence_parallel_size
+    logits = slice_tokens * KNOWN_CONFIGS["Qwen/Qwen2.5-7B-Instruct"]["vocab_size"] * 2  # bf16
+    assert got.evaluation_logits == pytest.approx(logits * (1 + NTIL_PEAK_OVER_LOGITS))
+    assert got.evaluation_peak == pytest.approx(got.model_states() + got.evaluation_logits)
+    assert "teacher-forced evaluation" in got.report()
+    no_eval = load_config(recipe, ["data.eval_file=", "train.eval_every=0"])
+    assert estimate(no_eval, ds_json, 8, 40).evaluation_logits == 0
+    # a GPU with room for the training step but not for evaluation's logits does not fit
+    tight = (got.total + got.evaluation_peak) / 2  # bytes usable between the two
+    memory_gb = (tight / (1 - FRAGMENTATION) + CUDA_CONTEXT_GIB * GIB) / 1e9
+    squeezed = estimate(cfg, ds_json, 8, memory_gb)
+    assert squeezed.total <= squeezed.usable < squeezed.evaluation_peak and not squeezed.fits
