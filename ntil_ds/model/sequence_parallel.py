@@ -57,17 +57,6 @@ def check_sequence_parallel_supported(
     text = text_config_of(config)
     name = getattr(config, "model_type", "this model")
     key = f"parallel.sequence_parallel_size={size}"
-    if has_vision(config) and name not in SLICED_AFTER_MERGE:
-        why = (
-            "its language model reads the images through cross-attention layers, whose keys are the image, "
-            "not the sequence Ulysses splits"
-            if getattr(text, "cross_attention_layers", None)
-            else "its language model takes inputs that ntil-ds does not know how to slice"
-        )
-        raise ConfigError(
-            f"{key} with {name!r}, a multimodal model: {why}. Sequence parallelism trains the multimodal "
-            f"families {', '.join(SLICED_AFTER_MERGE)}; train this one with parallel.sequence_parallel_size=1"
-        )
     if num_experts(config):
         raise ConfigError(
             f"{key} with {name!r}, a mixture of experts: DeepSpeed's ZeRO-3 does not run sequence "
@@ -86,6 +75,17 @@ def check_sequence_parallel_supported(
             "only in the attention mask, which Ulysses' attention does not take: they would train with full "
             "attention; set parallel.sequence_parallel_size=1 (or use_sliding_window=false in the model's "
             "config.json where the model was trained without it)"
+        )
+    if has_vision(config) and name not in SLICED_AFTER_MERGE:
+        why = (
+            "its language model reads the images through cross-attention layers, whose keys are the image, "
+            "not the sequence Ulysses splits"
+            if getattr(text, "cross_attention_layers", None)
+            else "its language model takes inputs that ntil-ds does not know how to slice"
+        )
+        raise ConfigError(
+            f"{key} with {name!r}, a multimodal model: {why}. Sequence parallelism trains the multimodal "
+            f"families {', '.join(SLICED_AFTER_MERGE)}; train this one with parallel.sequence_parallel_size=1"
         )
     positions = getattr(text, "max_position_embeddings", None)
     if max_seq_len and positions and max_seq_len > positions and not rope_scaled(text):

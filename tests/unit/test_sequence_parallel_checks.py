@@ -73,8 +73,11 @@ def test_models_ulysses_can_wrap_pass_and_the_others_are_refused_with_the_fix(tm
     with pytest.raises(ConfigError, match="mixture of experts"):
         check_sequence_parallel_supported(moe, 2)
     hybrid = AutoConfig.from_pretrained(build_tiny_model_folder("qwen3_5", tmp_path / "hybrid"))
-    with pytest.raises(ConfigError, match="multimodal"):
+    with pytest.raises(ConfigError, match="linear-attention"):
         check_sequence_parallel_supported(hybrid, 2)
+    gemma3 = AutoConfig.from_pretrained(build_tiny_model_folder("gemma3", tmp_path / "gemma3"))
+    with pytest.raises(ConfigError, match="sliding-window"):  # a multimodal family refused for its reason
+        check_sequence_parallel_supported(gemma3, 2)
     with pytest.raises(ConfigError, match="linear-attention"):
         check_sequence_parallel_supported(hybrid.text_config, 2)
 
