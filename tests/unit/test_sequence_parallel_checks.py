@@ -181,7 +181,9 @@ def test_the_trainer_refuses_at_start_from_the_config_alone(tmp_path):
         load_config(RECIPE, [*on, f"model.name_or_path={llm}"]), torch.device("cpu")
     )
     check_sequence_parallel_at_start(load_config(RECIPE, [*on[:1], f"model.name_or_path={vl}"]), None)
-    with pytest.raises(ConfigError, match="multimodal model: its language model reads the images through cross"):
+    with pytest.raises(
+        ConfigError, match="multimodal model: its language model reads the images through cross"
+    ):
         check_sequence_parallel_at_start(load_config(RECIPE, [*on[:1], f"model.name_or_path={cross}"]), None)
     with pytest.raises(ConfigError, match="data.max_seq_len=8192 .* position window is 4096"):
         check_sequence_parallel_at_start(
@@ -194,3 +196,21 @@ def test_the_trainer_refuses_at_start_from_the_config_alone(tmp_path):
             ),
             None,
         )
+
+
+def test_the_long_sequence_recipes_against_their_models_configs():
+    """The 64k recipes' models, by the Hub config.json numbers: Qwen2.5-VL-7B (a 128,000-token window)
+    passes at SP=4; Qwen2.5-7B (32,768 without rope scaling) is refused naming YaRN, as its recipe's
+    header says (the command points model.name_or_path at a YaRN copy)."""
+    from ntil_ds.memory_estimate import hf_config_for
+
+    def check(recipe: str) -> None:
+        cfg = load_config(f"configs/train/{recipe}")
+        size, length = cfg.parallel.sequence_parallel_size, cfg.data.max_seq_len
+        assert size == 4 and length == 65536
+        config = hf_config_for(cfg.model.name_or_path)
+        check_sequence_parallel_supported(config, size, max_seq_len=length, attention="sdpa")
+
+    check("qwen25vl_7b_64k_sequence_parallel.yaml")
+    with pytest.raises(ConfigError, match='"rope_type": "yarn", "factor": 2.0'):
+        check("qwen25_7b_64k_sequence_parallel.yaml")
