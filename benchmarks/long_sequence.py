@@ -16,7 +16,8 @@ trainer takes: ``MicroBatch.slice_sequence`` to each rank's slice, DeepSpeed's U
 ``--model qwen2_vl`` the model is a Qwen2-VL of the same text size and a ``--vision-depth`` tower, and a
 quarter of the row is images (224 x 224 pixels, 64 tokens each, spread along it): every rank runs the
 tower on all of them and its language model takes its slice of the merged row
-(``model.sequence_parallel.slice_after_merge``); the tower's forward time is reported apart. No optimizer,
+(``model.sequence_parallel.slice_after_merge``); the tower's forward time is reported apart;
+``--freeze-vision`` leaves the tower untrained (``model.freeze_vision_tower``). No optimizer,
 no ZeRO: the weights and their gradients are the same on every rank and in every job, so what differs is
 the activations. Peak: the most memory the step held above what it held before it, the largest of the
 ranks (CUDA: ``max_memory_allocated``; CPU: the resident set sampled every millisecond by a thread).
@@ -101,6 +102,8 @@ def worker(args: argparse.Namespace) -> None:
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     model = (Qwen2VLForConditionalGeneration if vl else Qwen2ForCausalLM)(config).to(device, dtype).train()
+    if vl and args.freeze_vision:  # as model.freeze_vision_tower: the tower keeps nothing for backward
+        model.model.visual.requires_grad_(False)
     cfg = load_config(
         REPO_ROOT / "configs/train/tiny_qwen2vl_clock.yaml",
         [f"parallel.sequence_parallel_size={size}", "model.kind=llm", "train.micro_batch_size=1"],
@@ -220,7 +223,8 @@ def run_point(args: argparse.Namespace, length: int, size: int) -> dict:
         worker_args = ["--worker", "--out", str(out), "--length", str(length), "--device", args.device,
                        "--hidden", str(args.hidden), "--layers", str(args.layers), "--heads", str(args.heads),
                        "--repeat", str(args.repeat), "--model", args.model,
-                       "--vision-depth", str(args.vision_depth)]  # fmt: skip
+                       "--vision-depth", str(args.vision_depth),
+                       *(["--freeze-vision"] if args.freeze_vision else [])]  # fmt: skip
         command = launcher_command("torchrun", size, Path(__file__), worker_args)
         env = job_env(OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // size)))
         if args.device == "cpu":
@@ -268,6 +272,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--model", choices=["qwen2", "qwen2_vl"], default="qwen2")
     parser.add_argument("--vision-depth", type=int, default=2, help="qwen2_vl: the vision tower's blocks")
+    parser.add_argument("--freeze-vision", action="store_true", help="qwen2_vl: the tower not trained")
     parser.add_argument("--results", default="", help="write the points here as JSON")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", default="", help=argparse.SUPPRESS)
