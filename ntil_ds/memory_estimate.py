@@ -24,6 +24,10 @@ GPUs, L = the largest module's own parameters):
   (``labelled_head.CHUNK_ELEMENTS`` = 2**27 elements at most, fewer when the micro-batch has fewer
   positions), recomputed in the backward with its gradient in fp32 and once more in the model's dtype:
   chunk x (2 B + 4 B + 2 B) in bf16, 1 GiB at most; from the code, not yet measured on a GPU.
+- teacher-forced evaluation (``train.eval_every`` with ``data.eval_file``), a peak of its own: the model
+  states and the logits of every position (its predictions are read from them; of each rank's slice under
+  sequence parallelism) with the loss's as much again, no activations kept (``torch.no_grad``). A recipe
+  fits when both its training step and its evaluation do.
 - with ``loss.logits=all``: micro_batch x max_seq_len x vocab x 2 B for the bf16 logits, and as much again for
   NTIL's forward + backward (measured on an H200 at [4, 2048, 151936] in bf16: NTILLoss's forward +
   backward peaked 2386 MiB above the 2374 MiB of logits, i.e. 1.0x). ``lora.head=number_rows`` adds its
