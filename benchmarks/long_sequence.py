@@ -138,7 +138,7 @@ def worker(args: argparse.Namespace) -> None:
             torch.cuda.synchronize()
         dist.barrier()
         started = time.perf_counter()
-        with slice_after_merge(model, batch.sequence) if vl and size > 1 else nullcontext():
+        with slice_after_merge(model, batch.sequence, group) if vl and size > 1 else nullcontext():
             logits = model(**inputs, use_cache=False).logits
         out = loss_fn(logits, batch.targets.to(device), generator=torch.Generator(device).manual_seed(2),
                       sequence=sequence)  # fmt: skip

@@ -98,7 +98,8 @@ class Objective:
         extra = self.router.forward_kwargs if self.router is not None else {}
         # A multimodal model's sliced micro-batch: whole rows in, the language model takes this rank's slice.
         whole_rows = micro_batch.whole_rows is not None
-        with slice_after_merge(self.engine.module, micro_batch.sequence) if whole_rows else nullcontext():
+        sliced = slice_after_merge(self.engine.module, micro_batch.sequence, self.sequence_group)
+        with sliced if whole_rows else nullcontext():
             output = self.engine.forward(**inputs, use_cache=False, **extra)
         if self.router is not None:
             self.router.record(output, inputs.get("attention_mask"))

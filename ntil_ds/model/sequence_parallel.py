@@ -11,11 +11,13 @@ The checks read the model's config alone: the trainer runs them at start, before
 
 A multimodal model cannot take a slice of its rows: an image's patches may straddle the cut, and its
 rotary positions (Qwen's 3-D mrope) count from the image's place in the whole row. So it takes whole
-rows, runs its vision tower and merges the images into the text embeddings as on one process, and
-:func:`slice_after_merge` cuts what it then hands its language model: the merged embeddings, the
-positions computed on whole rows, Qwen3-VL's deepstack features. Every rank of a group runs the vision
-tower on all the group's images (their gradients reach each rank only through its own slice, so the
-group's gradients add up to one process's, like the text embeddings').
+rows, merges the images into the text embeddings as on one process, and :func:`slice_after_merge` cuts
+what it then hands its language model: the merged embeddings, the positions computed on whole rows,
+Qwen3-VL's deepstack features. The vision tower runs each image once in the group: every rank runs it
+on its share of the images and the features are all-gathered (:func:`_tower_on_share`), so the tower's
+activations are divided over the group like the language model's. The merged embeddings' gradient
+reaches each rank only through its own slice, and the gather's backward sums the group's gradients of
+each image on the rank that ran it: the group's gradients add up to one process's.
 """
 
 from __future__ import annotations
@@ -145,16 +147,60 @@ def check_sequence_parallel_at_start(cfg: Any, device: Any) -> None:
 
 
 @contextmanager
-def slice_after_merge(model: torch.nn.Module, where: Any) -> Iterator[None]:
+def slice_after_merge(model: torch.nn.Module, where: Any, group: Any = None) -> Iterator[None]:
     """Within: the language model of multimodal ``model``, called on whole rows, takes this rank's slice
     ``where`` (a :class:`ntil_ds.dist.SequenceSlice`) of what the model built on them (the module
     docstring): the merged embeddings, the rotary positions, Qwen3-VL's deepstack features. No attention
-    mask: Ulysses masks causally by the gathered positions, for which the row's text positions come first."""
+    mask: Ulysses masks causally by the gathered positions, for which the row's text positions come first.
+    With the sequence-parallel ``group``, the vision tower runs on this rank's share of the images only,
+    the group's features gathered (:func:`_tower_on_share`)."""
     handle = language_model_of(model).register_forward_pre_hook(partial(_take_slice, where), with_kwargs=True)
+    tower = getattr(getattr(model, "model", model), "visual", None)  # the Qwen and GLM families' tower
+    if group is not None and tower is not None:
+        tower.forward = partial(_tower_on_share, tower.forward, tower.spatial_merge_size, group)
     try:
         yield
     finally:
         handle.remove()
+        if group is not None and tower is not None:
+            del tower.forward  # the class's own again
+
+
+def _tower_on_share(forward: Any, merge: int, group: Any, pixels: torch.Tensor, grid_thw: torch.Tensor, **kw):
+    """The vision tower's output for all the group's images, each image run on one rank: this rank runs
+    ``forward`` (the tower's own) on its contiguous share (balanced by patches), and the merged features
+    (and deepstack features) of every share are all-gathered, differentiably: each rank's backward then
+    holds the whole loss's gradient for its own images. A rank with no image runs the first one and adds
+    it times zero (ZeRO-3 needs every rank in every module's forward and backward)."""
+    import torch.distributed as dist
+
+    from ntil_ds.loss.sequence_shards import _AllGatherInGroup
+
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    patches = grid_thw.prod(-1).tolist()
+    total, before, owners = sum(patches), 0, []
+    for count in patches:  # image i to the rank holding its middle patch of the whole: contiguous shares
+        owners.append(min(size - 1, int((before + count / 2) * size / total)))
+        before += count
+    mine = [i for i, owner in enumerate(owners) if owner == rank] or [0]
+    first, last = mine[0], mine[-1] + 1
+    starts = [0, *torch.tensor(patches).cumsum(0).tolist()]
+    out = forward(pixels[starts[first] : starts[last]], grid_thw=grid_thw[first:last], **kw)
+    runs_none = rank not in owners
+    counts = [sum(p // merge**2 for p, o in zip(patches, owners, strict=True) if o == r) for r in range(size)]
+
+    def gathered(features: torch.Tensor) -> torch.Tensor:
+        local = features[:0] if runs_none else features
+        padded = local.new_zeros(max(counts), *local.shape[1:])
+        padded = torch.cat([local, padded[local.shape[0] :]])
+        pieces = _AllGatherInGroup.apply(padded.contiguous(), group)
+        joined = torch.cat([piece[:count] for piece, count in zip(pieces, counts, strict=True)])
+        return joined + 0 * features.sum() if runs_none else joined
+
+    fields = {"pooler_output": gathered(out.pooler_output)}
+    if getattr(out, "deepstack_features", None) is not None:
+        fields["deepstack_features"] = [gathered(f) for f in out.deepstack_features]
+    return type(out)(**fields)
 
 
 def route_attention(model: torch.nn.Module, key: str, whole_rows_attention: Any) -> None:
