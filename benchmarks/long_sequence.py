@@ -15,8 +15,8 @@ trainer takes: ``MicroBatch.slice_sequence`` to each rank's slice, DeepSpeed's U
 (``engine.register_sequence_parallel``), NTILLoss over the group (``loss.sequence_shards``). With
 ``--model qwen2_vl`` the model is a Qwen2-VL of the same text size and a ``--vision-depth`` tower, and a
 quarter of the row is images (224 x 224 pixels, 64 tokens each, spread along it): every rank runs the
-tower on all of them and its language model takes its slice of the merged row
-(``model.sequence_parallel.slice_after_merge``); the tower's forward time is reported apart;
+tower on its share of them (the features all-gathered) and its language model takes its slice of the
+merged row (``model.sequence_parallel.slice_after_merge``); the tower's forward time is reported apart;
 ``--freeze-vision`` leaves the tower untrained (``model.freeze_vision_tower``). No optimizer,
 no ZeRO: the weights and their gradients are the same on every rank and in every job, so what differs is
 the activations. Peak: the most memory the step held above what it held before it, the largest of the
