@@ -13,9 +13,10 @@ A multimodal model cannot take a slice of its rows: an image's patches may strad
 rotary positions (Qwen's 3-D mrope) count from the image's place in the whole row. So it takes whole
 rows, merges the images into the text embeddings as on one process, and :func:`slice_after_merge` cuts
 what it then hands its language model: the merged embeddings, the positions computed on whole rows,
-Qwen3-VL's deepstack features. The vision tower runs each image once in the group: every rank runs it
-on its share of the images and the features are all-gathered (:func:`_tower_on_share`), so the tower's
-activations are divided over the group like the language model's. The merged embeddings' gradient
+Qwen3-VL's deepstack features. The Qwen and GLM families' vision tower runs each image once in the
+group: every rank runs it on its share of the images and the features are all-gathered
+(:func:`_tower_on_share`), so the tower's activations are divided over the group like the language
+model's (the LLaVA-style towers still run on every rank on all the images). The merged embeddings' gradient
 reaches each rank only through its own slice, and the gather's backward sums the group's gradients of
 each image on the rank that ran it: the group's gradients add up to one process's.
 """
@@ -155,7 +156,7 @@ def slice_after_merge(model: torch.nn.Module, where: Any, group: Any = None) -> 
     With the sequence-parallel ``group``, the vision tower runs on this rank's share of the images only,
     the group's features gathered (:func:`_tower_on_share`)."""
     handle = language_model_of(model).register_forward_pre_hook(partial(_take_slice, where), with_kwargs=True)
-    tower = getattr(getattr(model, "model", model), "visual", None)  # the Qwen and GLM families' tower
+    tower = _patch_grid_tower(model)
     if group is not None and tower is not None:
         tower.forward = partial(_tower_on_share, tower.forward, tower.spatial_merge_size, group)
     try:
@@ -164,6 +165,16 @@ def slice_after_merge(model: torch.nn.Module, where: Any, group: Any = None) -> 
         handle.remove()
         if group is not None and tower is not None:
             del tower.forward  # the class's own again
+
+
+def _patch_grid_tower(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The Qwen and GLM families' vision tower (``visual``: all images' patches in, with their grids),
+    which :func:`_tower_on_share` can split by image; None for the others (LLaVA-style towers run whole on
+    every rank of the group)."""
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] == "visual" and hasattr(module, "spatial_merge_size"):
+            return module
+    return None
 
 
 def _tower_on_share(forward: Any, merge: int, group: Any, pixels: torch.Tensor, grid_thw: torch.Tensor, **kw):
