@@ -88,8 +88,10 @@ class NumericEval:
         self.subset = dataset.conversations[: cfg.generate_samples]
         self.references = [split_last_answer(c)[2] for c in self.subset]
         has_image = [bool(c.images) for c in self.subset]
-        # the ranks of a sequence-parallel group answer different prompts: a group generates each once
-        self.batches = plan_batches(has_image, *dist_info.whole_row_readers, cfg.batch_size)
+        # whole rows: the ranks of a sequence-parallel group answer different prompts (a group generates each
+        # once); those of a tensor-parallel group answer the same ones
+        reader, readers = dist_info.rank // dist_info.tp_size, dist_info.world_size // dist_info.tp_size
+        self.batches = plan_batches(has_image, reader, readers, cfg.batch_size)
         self.full_vocabulary = None
         if vocab_shard is not None:
             sizes = all_gather_objects(

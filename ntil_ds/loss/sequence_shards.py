@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ntil_ds.constants import IGNORE_INDEX
+from ntil_ds.dist import AllGatherInGroup
 
 
 @dataclass(frozen=True)
@@ -47,33 +48,11 @@ class SequenceShard:
         """COLLECTIVE over the group: ``[B, local_length, ...]`` of every rank -> ``[B, length, ...]``, the
         whole unpadded rows. ``differentiable``: the gradient flows back to each rank's own slice."""
         if differentiable:
-            pieces = _AllGatherInGroup.apply(local.contiguous(), self.group)
+            pieces = AllGatherInGroup.apply(local.contiguous(), self.group)
         else:
             pieces = [torch.empty_like(local) for _ in range(self.slice.size)]
             dist.all_gather(pieces, local.contiguous(), group=self.group)
         return torch.cat(pieces, dim=1)[:, : self.slice.length]
-
-
-class _AllGatherInGroup(torch.autograd.Function):
-    """All-gather over a group whose backward gives each rank the sum of every rank's gradient for its own
-    piece (one all-reduce of the pieces' gradients: they are the small stage-1 results, not the vocabulary).
-    torch.distributed.nn's all_gather cannot serve here: on gloo its backward falls back to scatters that
-    take the group rank i for the global rank i, which fails for every group but the one holding ranks
-    0..size-1 (the second group of a data-parallel x sequence-parallel layout)."""
-
-    @staticmethod
-    def forward(ctx, local: torch.Tensor, group: Any) -> tuple[torch.Tensor, ...]:
-        ctx.group = group
-        pieces = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(pieces, local, group=group)
-        return tuple(pieces)
-
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor | None) -> tuple[torch.Tensor, None]:
-        like = next(g for g in grads if g is not None)
-        stacked = torch.stack([torch.zeros_like(like) if g is None else g.contiguous() for g in grads])
-        dist.all_reduce(stacked, group=ctx.group)
-        return stacked[dist.get_rank(ctx.group)], None
 
 
 def noise_for_slice(

@@ -29,8 +29,10 @@ from functools import partial
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ntil_ds.config import ConfigError
+from ntil_ds.dist import AllGatherInGroup
 from ntil_ds.model.parts import has_vision, num_experts, text_config_of
 
 WRAPPABLE_ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
@@ -183,10 +185,6 @@ def _tower_on_share(forward: Any, merge: int, group: Any, pixels: torch.Tensor, 
     (and deepstack features) of every share are all-gathered, differentiably: each rank's backward then
     holds the whole loss's gradient for its own images. A rank with no image runs the first one and adds
     it times zero (ZeRO-3 needs every rank in every module's forward and backward)."""
-    import torch.distributed as dist
-
-    from ntil_ds.loss.sequence_shards import _AllGatherInGroup
-
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     patches = grid_thw.prod(-1).tolist()
     total, before, owners = sum(patches), 0, []
@@ -204,7 +202,7 @@ def _tower_on_share(forward: Any, merge: int, group: Any, pixels: torch.Tensor, 
         local = features[:0] if runs_none else features
         padded = local.new_zeros(max(counts), *local.shape[1:])
         padded = torch.cat([local, padded[local.shape[0] :]])
-        pieces = _AllGatherInGroup.apply(padded.contiguous(), group)
+        pieces = AllGatherInGroup.apply(padded.contiguous(), group)
         joined = torch.cat([piece[:count] for piece, count in zip(pieces, counts, strict=True)])
         return joined + 0 * features.sum() if runs_none else joined
 
