@@ -10,8 +10,11 @@ size), and evaluate at the end (teacher-forced and generated answers: in evaluat
 group runs whole rows). Compared: every step's labelled tokens, loss, CE, NTIL parts and grad norm, the
 evaluation metrics, and every exported weight (the adapter's, for LoRA). The recipe's layout, 2
 data-parallel groups of 2 sequence-parallel ranks (4 processes), on rows of different lengths (right
-padding, which Ulysses' attention sees without its mask), equals 2 data-parallel ranks with whole rows. optim.eps=1 makes Adam's step proportional to the gradient
-(not its sign), so the weights check the gradient's scale too.
+padding, which Ulysses' attention sees without its mask), equals 2 data-parallel ranks with whole rows.
+A tiny Qwen2-VL on rows of two clock images, one on each side of the cut, with a number across it, at
+SP=2 equals one process (the vision tower split over the ranks, the merged row sliced after the merge).
+optim.eps=1 makes Adam's step proportional to the gradient (not its sign), so the weights check the
+gradient's scale too.
 """
 
 from __future__ import annotations
@@ -288,8 +291,9 @@ def test_two_data_parallel_groups_of_two_sequence_ranks_on_ragged_rows_equal_two
 @pytest.mark.timeout(3 * JOB_TIMEOUT_S)
 def test_a_vision_language_model_at_two_sequence_parallel_ranks_trains_as_one_process(runs):
     """Tiny Qwen2-VL on rows of two clock images, one on each side of the cut, and a number across it:
-    each rank's language model takes its slice of the embeddings merged on whole rows, with the 3-D rotary
-    positions computed on the whole row (a slice would number the second image from its own start)."""
+    each rank runs the vision tower on its share of the micro-batch's 4 images, and its language model
+    takes its slice of the embeddings merged on whole rows, with the 3-D rotary positions computed on the
+    whole row (a slice would number the second image from its own start)."""
     sp2, initial = runs["vl_sp2"], runs["vl_initial"]
     assert "Ulysses sequence parallelism: 2 ranks a group" in sp2["log"], sp2["log"][-3000:]
     assert_same_run(sp2, runs["vl_one"])
