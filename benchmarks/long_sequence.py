@@ -81,7 +81,7 @@ def worker(args: argparse.Namespace) -> None:
     from ntil_ds.data.batch import MicroBatch
     from ntil_ds.engine import init_distributed, register_sequence_parallel
     from ntil_ds.loss import NTILLoss, digit_token_ids_from_tokenizer
-    from ntil_ds.loss.sequence_shards import SequenceShard
+    from ntil_ds.loss.sequence_shards import AllGatherInGroup, SequenceShard
     from ntil_ds.model.sequence_parallel import slice_after_merge
     from ntil_ds.tiny import build_tiny_model_folder
 
@@ -138,7 +138,11 @@ def worker(args: argparse.Namespace) -> None:
             torch.cuda.synchronize()
         dist.barrier()
         started = time.perf_counter()
-        with slice_after_merge(model, batch.sequence, group) if vl and size > 1 else nullcontext():
+        with (
+            slice_after_merge(model, batch.sequence, group, AllGatherInGroup.apply)
+            if vl and size > 1
+            else nullcontext()
+        ):
             logits = model(**inputs, use_cache=False).logits
         out = loss_fn(logits, batch.targets.to(device), generator=torch.Generator(device).manual_seed(2),
                       sequence=sequence)  # fmt: skip

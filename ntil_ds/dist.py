@@ -6,8 +6,8 @@
   :func:`broadcast_from_main`, :func:`all_reduce_sums` (device values: a dict of named sums in one all-reduce,
   never a tensor read back by position), :func:`all_reduce_host_sums` and :func:`any_rank` (values the host
   knows already, reduced on a CPU group: they never wait for the device), :func:`leave_process_group`,
-  :func:`unanswering_ranks` (after a lost peer), :class:`AllGatherInGroup` (differentiable). Without an
-  initialized process group each answers for this process alone, so one code path serves 1 and N processes.
+  :func:`unanswering_ranks` (after a lost peer). Without an initialized process group each answers for
+  this process alone, so one code path serves 1 and N processes.
 - :func:`is_communication_error`, :func:`is_timeout`: what a failed collective raised.
 - :func:`read_to_host`: the one way device values reach the host (a sync point, named so it can be counted).
 - :func:`exit_process`: how a rank's process ends.
@@ -140,26 +140,6 @@ class SequenceSlice:
         """This slice's positions of ``full [B, length, ...]``, the rows padded with ``fill``."""
         pad = full.new_full((full.shape[0], self.padded_length - self.length, *full.shape[2:]), fill)
         return torch.cat([full, pad], dim=1)[:, self.start : self.stop]
-
-
-class AllGatherInGroup(torch.autograd.Function):
-    """All-gather whose backward gives each rank the sum of every rank's gradient for its own piece (one
-    all-reduce of small pieces: the loss's stage-1 results, a vision tower's features). torch.distributed.nn's
-    all_gather fails here on gloo for every group but ranks 0..size-1 (its backward's scatters)."""
-
-    @staticmethod
-    def forward(ctx, local: torch.Tensor, group: Any) -> tuple[torch.Tensor, ...]:
-        ctx.group = group
-        pieces = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(pieces, local, group=group)
-        return tuple(pieces)
-
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor | None) -> tuple[torch.Tensor, None]:
-        like = next(g for g in grads if g is not None)
-        stacked = torch.stack([torch.zeros_like(like) if g is None else g.contiguous() for g in grads])
-        dist.all_reduce(stacked, group=ctx.group)
-        return stacked[dist.get_rank(ctx.group)], None
 
 
 def check_parallel_layout(info: DistInfo, tp_group: Sequence[int], dp_group: Sequence[int]) -> None:

@@ -35,7 +35,7 @@ from ntil_ds.labelled_forward import (
     row_inputs,
 )
 from ntil_ds.loss import NTILLoss, NTILOutput
-from ntil_ds.loss.sequence_shards import SequenceShard
+from ntil_ds.loss.sequence_shards import AllGatherInGroup, SequenceShard
 from ntil_ds.model.parts import has_vision
 from ntil_ds.model.sequence_parallel import slice_after_merge
 from ntil_ds.model.tensor_parallel import VocabShard
@@ -98,7 +98,9 @@ class Objective:
         extra = self.router.forward_kwargs if self.router is not None else {}
         # A multimodal model's sliced micro-batch: whole rows in, the language model takes this rank's slice.
         whole_rows = micro_batch.whole_rows is not None
-        sliced = slice_after_merge(self.engine.module, micro_batch.sequence, self.sequence_group)
+        sliced = slice_after_merge(
+            self.engine.module, micro_batch.sequence, self.sequence_group, AllGatherInGroup.apply
+        )
         with sliced if whole_rows else nullcontext():
             output = self.engine.forward(**inputs, use_cache=False, **extra)
         if self.router is not None:

@@ -26,7 +26,6 @@ import torch
 import torch.distributed as dist
 
 from ntil_ds.constants import IGNORE_INDEX
-from ntil_ds.dist import AllGatherInGroup
 
 
 @dataclass(frozen=True)
@@ -53,6 +52,26 @@ class SequenceShard:
             pieces = [torch.empty_like(local) for _ in range(self.slice.size)]
             dist.all_gather(pieces, local.contiguous(), group=self.group)
         return torch.cat(pieces, dim=1)[:, : self.slice.length]
+
+
+class AllGatherInGroup(torch.autograd.Function):
+    """All-gather whose backward gives each rank the sum of every rank's gradient for its own piece (one
+    all-reduce of small pieces: the loss's stage-1 results, a vision tower's features). torch.distributed.nn's
+    all_gather fails here on gloo for every group but ranks 0..size-1 (its backward's scatters)."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, group: Any) -> tuple[torch.Tensor, ...]:
+        ctx.group = group
+        pieces = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(pieces, local, group=group)
+        return tuple(pieces)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None) -> tuple[torch.Tensor, None]:
+        like = next(g for g in grads if g is not None)
+        stacked = torch.stack([torch.zeros_like(like) if g is None else g.contiguous() for g in grads])
+        dist.all_reduce(stacked, group=ctx.group)
+        return stacked[dist.get_rank(ctx.group)], None
 
 
 def noise_for_slice(

@@ -32,7 +32,6 @@ import torch
 import torch.distributed as dist
 
 from ntil_ds.config import ConfigError
-from ntil_ds.dist import AllGatherInGroup
 from ntil_ds.model.parts import has_vision, num_experts, text_config_of
 
 WRAPPABLE_ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
@@ -150,22 +149,26 @@ def check_sequence_parallel_at_start(cfg: Any, device: Any) -> None:
 
 
 @contextmanager
-def slice_after_merge(model: torch.nn.Module, where: Any, group: Any = None) -> Iterator[None]:
+def slice_after_merge(
+    model: torch.nn.Module, where: Any, group: Any = None, all_gather: Any = None
+) -> Iterator[None]:
     """Within: the language model of multimodal ``model``, called on whole rows, takes this rank's slice
     ``where`` (a :class:`ntil_ds.dist.SequenceSlice`) of what the model built on them (the module
     docstring): the merged embeddings, the rotary positions, Qwen3-VL's deepstack features. No attention
     mask: Ulysses masks causally by the gathered positions, for which the row's text positions come first.
-    With the sequence-parallel ``group``, the vision tower runs on this rank's share of the images only,
-    the group's features gathered (:func:`_tower_on_share`)."""
+    With the sequence-parallel ``group`` and ``all_gather`` (a differentiable all-gather ``(local, group)
+    -> pieces``: the loss's ``AllGatherInGroup.apply``), the vision tower runs on this rank's share of the
+    images only, the group's features gathered (:func:`_tower_on_share`)."""
     handle = language_model_of(model).register_forward_pre_hook(partial(_take_slice, where), with_kwargs=True)
     tower = _patch_grid_tower(model)
-    if group is not None and tower is not None:
-        tower.forward = partial(_tower_on_share, tower.forward, tower.spatial_merge_size, group)
+    split = group is not None and tower is not None
+    if split:
+        tower.forward = partial(_tower_on_share, tower.forward, tower.spatial_merge_size, group, all_gather)
     try:
         yield
     finally:
         handle.remove()
-        if group is not None and tower is not None:
+        if split:
             del tower.forward  # the class's own again
 
 
@@ -179,7 +182,9 @@ def _patch_grid_tower(model: torch.nn.Module) -> torch.nn.Module | None:
     return None
 
 
-def _tower_on_share(forward: Any, merge: int, group: Any, pixels: torch.Tensor, grid_thw: torch.Tensor, **kw):
+def _tower_on_share(
+    forward: Any, merge: int, group: Any, all_gather: Any, pixels: torch.Tensor, grid_thw: torch.Tensor, **kw
+):
     """The vision tower's output for all the group's images, each image run on one rank: this rank runs
     ``forward`` (the tower's own) on its contiguous share (balanced by patches), and the merged features
     (and deepstack features) of every share are all-gathered, differentiably: each rank's backward then
@@ -202,7 +207,7 @@ def _tower_on_share(forward: Any, merge: int, group: Any, pixels: torch.Tensor, 
         local = features[:0] if runs_none else features
         padded = local.new_zeros(max(counts), *local.shape[1:])
         padded = torch.cat([local, padded[local.shape[0] :]])
-        pieces = AllGatherInGroup.apply(padded.contiguous(), group)
+        pieces = all_gather(padded.contiguous(), group)
         joined = torch.cat([piece[:count] for piece, count in zip(pieces, counts, strict=True)])
         return joined + 0 * features.sum() if runs_none else joined
 

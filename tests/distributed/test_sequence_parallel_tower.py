@@ -30,6 +30,7 @@ def _tower():
 
 
 def _worker(rank: int, init_file: str, result_file: str) -> None:
+    from ntil_ds.loss.sequence_shards import AllGatherInGroup
     from ntil_ds.model.sequence_parallel import _tower_on_share
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=3)
@@ -50,7 +51,14 @@ def _worker(rank: int, init_file: str, result_file: str) -> None:
             want = {n: p.grad.clone() for n, p in tower.named_parameters()}
 
             tower.zero_grad()
-            split = _tower_on_share(tower.forward, tower.spatial_merge_size, group, pixels, grid_thw=grid_thw)
+            split = _tower_on_share(
+                tower.forward,
+                tower.spatial_merge_size,
+                group,
+                AllGatherInGroup.apply,
+                pixels,
+                grid_thw=grid_thw,
+            )
             ((split.pooler_output * weights).sum() / size).backward()  # this rank's share of the loss
             got = {n: p.grad.clone() for n, p in tower.named_parameters()}
             for grad in got.values():
