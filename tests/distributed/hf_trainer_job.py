@@ -99,4 +99,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from ntil_ds.dist import exit_process
+
     main()
+    exit_process(0)  # as launch/train.py ends a rank: a plain exit can abort in gloo's threads (exit_process)
