@@ -1,22 +1,23 @@
 """Who am I in the job, how the ranks talk, and how a rank's process ends.
 
 - :class:`DistInfo`: the only reader of RANK / LOCAL_RANK / WORLD_SIZE.
-- The collectives the project uses, each named for what it does and marked COLLECTIVE (every rank of the
-  process group must call it, in the same order): :func:`barrier`, :func:`all_gather_objects`,
-  :func:`broadcast_from_main`, :func:`all_reduce_sums` (device values: a dict of named sums in one all-reduce,
-  never a tensor read back by position), :func:`all_reduce_host_sums` and :func:`any_rank` (values the host
-  knows already, reduced on a CPU group: they never wait for the device), :func:`leave_process_group`,
-  :func:`unanswering_ranks` (after a lost peer). Without an initialized process group each answers for
-  this process alone, so one code path serves 1 and N processes.
+- The collectives the project uses, each named for what it does and marked COLLECTIVE (every rank of
+  the process group must call it, in the same order): :func:`barrier`, :func:`all_gather_objects`,
+  :func:`broadcast_from_main`, :func:`all_reduce_sums` (device values: a dict of named sums in one
+  all-reduce, never a tensor read back by position), :func:`all_reduce_host_sums` and :func:`any_rank`
+  (values the host knows already, reduced on a CPU group: they never wait for the device),
+  :func:`leave_process_group`, :func:`unanswering_ranks` (after a lost peer). Without an initialized
+  process group each answers for this process alone, so one code path serves 1 and N processes.
 - :func:`is_communication_error`, :func:`is_timeout`: what a failed collective raised.
-- :func:`read_to_host`: the one way device values reach the host (a sync point, named so it can be counted).
+- :func:`read_to_host`: the one way device values reach the host (a sync point, named so it can be
+  counted).
 - :func:`exit_process`: how a rank's process ends.
 
-Layout: ranks are grouped into tensor-parallel groups of ``tp_size`` consecutive ranks (the layout DeepSpeed
-AutoTP builds; :func:`check_parallel_layout` compares it with DeepSpeed's own groups once the engine exists).
-Data is sharded over data-parallel ranks only: every rank of one tensor-parallel group reads the same batch.
-Sequence parallelism (``sp_size`` > 1, DeepSpeed Ulysses) groups ``sp_size`` consecutive ranks the same way:
-they read the same batch and each keeps its :class:`SequenceSlice`.
+Layout: ranks are grouped into tensor-parallel groups of ``tp_size`` consecutive ranks (the layout
+DeepSpeed AutoTP builds; :func:`check_parallel_layout` compares it with DeepSpeed's own groups once the
+engine exists). Data is sharded over data-parallel ranks only: every rank of one tensor-parallel group
+reads the same batch. Sequence parallelism (``sp_size`` > 1, DeepSpeed Ulysses) groups ``sp_size``
+consecutive ranks the same way: they read the same batch and each keeps its :class:`SequenceSlice`.
 """
 
 from __future__ import annotations

@@ -55,9 +55,12 @@ class SequenceShard:
 
 
 class AllGatherInGroup(torch.autograd.Function):
-    """All-gather whose backward gives each rank the sum of every rank's gradient for its own piece (one
-    all-reduce of small pieces: the loss's stage-1 results, a vision tower's features). torch.distributed.nn's
-    all_gather fails here on gloo for every group but ranks 0..size-1 (its backward's scatters)."""
+    """All-gather over a group whose backward gives each rank the sum of every rank's gradient for its own
+    piece (one all-reduce of the pieces' gradients: small tensors, the stage-1 results here, a vision
+    tower's features in ``model.sequence_parallel``; not the vocabulary).
+    torch.distributed.nn's all_gather cannot serve here: on gloo its backward falls back to scatters that
+    take the group rank i for the global rank i, which fails for every group but the one holding ranks
+    0..size-1 (the second group of a data-parallel x sequence-parallel layout)."""
 
     @staticmethod
     def forward(ctx, local: torch.Tensor, group: Any) -> tuple[torch.Tensor, ...]:
