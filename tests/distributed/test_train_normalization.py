@@ -19,12 +19,18 @@ from __future__ import annotations
 
 import json
 import shutil
+from functools import partial
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.distributed.training_runs import run_training, train_metrics, write_mixed_arithmetic_data
+from tests.distributed.training_runs import (
+    run_together,
+    run_training,
+    train_metrics,
+    write_mixed_arithmetic_data,
+)
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -100,45 +106,52 @@ def assert_same_training(run: dict, reference: dict, initial: dict) -> None:
         torch.testing.assert_close(run["weights"][name], expected, rtol=1e-5, atol=1e-7, msg=name)
 
 
+ZERO2_OPTIONS = {"deepspeed": ZERO2, "train.save_every": 1}
+
+
 @pytest.fixture(scope="module")
-def one_process_reference(pretrained_tiny_model):
-    """The whole batch in one process, the logits everywhere (loss.logits=all)."""
+def layouts(pretrained_tiny_model):
+    """The module's three first jobs, run together: the whole batch in one process with the logits
+    everywhere (loss.logits=all, the reference), and two ranks of one sample a micro-batch with the head
+    only where the targets are (the default) on ZeRO-3 and on ZeRO-2 (saving every step)."""
     root, model_dir, data_file = pretrained_tiny_model
-    return run_steps(root, model_dir, data_file, "single", nproc=1, micro_batch_size=4, logits="all")
+    two_ranks = {"nproc": 2, "micro_batch_size": 1, "logits": "labelled"}
+    return run_together(
+        {
+            "single": partial(run_steps, root, model_dir, data_file, "single", 1, 4, "all"),
+            "split": partial(run_steps, root, model_dir, data_file, "split", **two_ranks),
+            "zero2": partial(run_steps, root, model_dir, data_file, "zero2", **two_ranks, **ZERO2_OPTIONS),
+        }
+    )
 
 
 @pytest.mark.timeout(1200)
-def test_two_ranks_two_micro_batches_equal_one_process_full_batch(
-    pretrained_tiny_model, one_process_reference
-):
-    root, model_dir, data_file = pretrained_tiny_model
+def test_two_ranks_two_micro_batches_equal_one_process_full_batch(pretrained_tiny_model, layouts):
+    _, model_dir, _ = pretrained_tiny_model
     initial = load_file(model_dir / "model.safetensors")
-    # The split run has the head only where the targets are (the default): so this also pins the labelled
-    # head under ZeRO-3 to the full logits.
-    split = run_steps(root, model_dir, data_file, "split", nproc=2, micro_batch_size=1, logits="labelled")
-    assert_same_training(split, one_process_reference, initial)
+    one_process_reference = layouts["single"]
+    # The split run has the head only where the targets are: so this also pins the labelled head under
+    # ZeRO-3 to the full logits.
+    assert_same_training(layouts["split"], one_process_reference, initial)
     moved = sum(not torch.equal(w, initial[name]) for name, w in one_process_reference["weights"].items())
     assert moved > len(initial) // 2  # the steps did update the weights compared
 
 
 @pytest.mark.timeout(1200)
 def test_full_fine_tuning_on_zero2_equals_one_process_and_resumes_to_the_same_export(
-    pretrained_tiny_model, one_process_reference
+    pretrained_tiny_model, layouts
 ):
     root, model_dir, data_file = pretrained_tiny_model
     initial = load_file(model_dir / "model.safetensors")
-    options = {"deepspeed": ZERO2, "train.save_every": 1}
-    zero2 = run_steps(
-        root, model_dir, data_file, "zero2", nproc=2, micro_batch_size=1, logits="labelled", **options
-    )
+    zero2 = layouts["zero2"]
     assert json.loads((zero2["out"] / "deepspeed.json").read_text())["zero_optimization"]["stage"] == 2
-    assert_same_training(zero2, one_process_reference, initial)
+    assert_same_training(zero2, layouts["single"], initial)
 
     # Resume: the step-2 checkpoint and the export gone, the job continues from step 1 (resume=auto).
     shutil.rmtree(zero2["out"] / "checkpoints" / f"step_{STEPS:08d}")
     shutil.rmtree(zero2["out"] / "export")
     resumed = run_steps(
-        root, model_dir, data_file, "zero2", nproc=2, micro_batch_size=1, logits="labelled", **options
+        root, model_dir, data_file, "zero2", nproc=2, micro_batch_size=1, logits="labelled", **ZERO2_OPTIONS
     )
     assert "resumed from" in resumed["log"] and "step_00000001" in resumed["log"], resumed["log"][-3000:]
     # The resumed job trained step 2 only: its step-1 record is the first job's (so step 2 and the export
@@ -196,13 +209,20 @@ def test_hybrid_and_moe_families_on_two_zero3_ranks_equal_one_process(tmp_path, 
     initial = load_file(folder / "model.safetensors")
     data_file = write_mixed_arithmetic_data(tmp_path / "data", n=8, image_size=56, seed=1)
     as_ranks = ranks_order(data_file, "ranks_order.jsonl")
-    runs = {
-        name: run_steps(tmp_path, folder, data, name, nproc, MICRO_BATCH, logits, **options)
-        for name, nproc, data, logits, options in (
-            ("single", 1, as_ranks, "all", FAMILY_NTIL),
-            ("split", 2, data_file, "labelled", FAMILY_NTIL),
-        )
-    }
+    jobs = [
+        ("single", 1, as_ranks, "all", FAMILY_NTIL),
+        ("split", 2, data_file, "labelled", FAMILY_NTIL),
+    ]
+    if kind == "qwen3_5_moe":
+        # Cross-entropy without the aux loss, the file's own order on both sides (checked at the end).
+        ce = {"loss.name": "ce", "model.router_aux_loss_coef": 0.0}
+        jobs += [("ce_single", 1, data_file, "all", ce), ("ce_split", 2, data_file, "labelled", ce)]
+    runs = run_together(
+        {
+            name: partial(run_steps, tmp_path, folder, data, name, nproc, MICRO_BATCH, logits, **options)
+            for name, nproc, data, logits, options in jobs
+        }
+    )
     assert_same_training(runs["split"], runs["single"], initial)
     moe = kind != "qwen3_5"
     for step in range(1, STEPS + 1):
@@ -232,9 +252,4 @@ def test_hybrid_and_moe_families_on_two_zero3_ranks_equal_one_process(tmp_path, 
     if kind == "qwen3_5_moe":
         # Cross-entropy without the aux loss, the file's own order on both sides: other micro-batches, the
         # same gradient (the aux loss at the family's coefficient moves the weights by ~1e-7 here).
-        ce = {"loss.name": "ce", "model.router_aux_loss_coef": 0.0}
-        natural = {
-            name: run_steps(tmp_path, folder, data_file, f"ce_{name}", nproc, MICRO_BATCH, logits, **ce)
-            for name, nproc, logits in (("single", 1, "all"), ("split", 2, "labelled"))
-        }
-        assert_same_training(natural["split"], natural["single"], initial)
+        assert_same_training(runs["ce_split"], runs["ce_single"], initial)

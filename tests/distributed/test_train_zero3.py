@@ -8,10 +8,12 @@ reference, the export check.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import random
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -20,6 +22,7 @@ import torch
 from ntil_ds.config import load_config
 from tests.distributed.training_runs import (
     kill_after_checkpoint,
+    run_together,
     run_training,
     tiny_model_and_data,
     train_metrics,
@@ -281,9 +284,34 @@ OTHER_FAMILIES = {
 }
 
 
+@pytest.fixture(scope="module")
+def family_runs(request, tmp_path_factory) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
+    """One job per family whose test was selected, run together (``run_together``): its output folder
+    and the finished job."""
+    selected = {
+        item.callspec.params["kind"]
+        for item in request.session.items
+        if item.originalname == "test_other_families_ntil_loss_falls_and_export_reloads"
+    }
+
+    jobs = {}
+    for kind in sorted(selected):  # the inputs one after the other, the jobs together
+        root, model_dir, data_file = tiny_model_and_data(
+            tmp_path_factory.mktemp(kind), kind, n=48, image_size=OTHER_FAMILIES[kind]
+        )
+        overrides = {
+            **base_overrides(model_dir, data_file, root / "run"),
+            "train.save_every": 0,
+            "train.export_at_end": "true",
+        }
+        jobs[kind] = functools.partial(run_training, overrides)
+    finished = run_together(jobs)
+    return {kind: (jobs[kind].args[0]["output_dir"], finished[kind]) for kind in jobs}
+
+
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("kind", sorted(OTHER_FAMILIES))
-def test_other_families_ntil_loss_falls_and_export_reloads(tmp_path, kind):
+def test_other_families_ntil_loss_falls_and_export_reloads(family_runs, kind):
     """The same job on LLaVA, Qwen3-VL, Gemma 3, InternVL, SmolVLM, Mllama, GLM-4V (its tokenizer groups
     digits, so the grouped NTIL loss trains it), Mistral 3 and Qwen3-VL-MoE (with its aux loss at the
     family's coefficient): mixed text/image batches, 2 ranks, ZeRO-3; the loss falls; the export loads
@@ -293,14 +321,7 @@ def test_other_families_ntil_loss_falls_and_export_reloads(tmp_path, kind):
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from transformers import AutoModelForImageTextToText
 
-    root, model_dir, data_file = tiny_model_and_data(tmp_path, kind, n=48, image_size=OTHER_FAMILIES[kind])
-    out = root / "run"
-    overrides = {
-        **base_overrides(model_dir, data_file, out),
-        "train.save_every": 0,
-        "train.export_at_end": "true",
-    }
-    result = run_training(overrides)
+    out, result = family_runs[kind]
     assert result.returncode == 0, result.stdout[-6000:]
     metrics = train_metrics(out)
     losses = [metrics[s]["loss"] for s in range(1, STEPS + 1)]

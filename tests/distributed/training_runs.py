@@ -8,7 +8,10 @@ import os
 import random
 import subprocess
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TypeVar
 
 import psutil
 import pytest
@@ -19,6 +22,7 @@ from ntil_ds.jobs import REPO_ROOT, TRAIN_SCRIPT, job_env, launcher_command, run
 
 TINY_RECIPE = REPO_ROOT / "configs" / "train" / "tiny_qwen2vl_clock.yaml"
 LAUNCH_TIMEOUT_S = 540  # generous: an outer guard against hangs, not a speed check
+T = TypeVar("T")
 
 
 def launch_env(**extra: str) -> dict[str, str]:
@@ -52,6 +56,15 @@ def run_training(
         env=env or launch_env(),
         timeout=timeout,
     )
+
+
+def run_together(calls: dict[str, Callable[[], T]], at_once: int = 4) -> dict[str, T]:
+    """Each call (a job run to its end) in a thread of its own, ``at_once`` of them running together: a
+    2-rank job keeps the 2 cores busy about three quarters of its time (start-up, launcher, gloo waits),
+    and the other jobs take the rest. Their results by name; a call's exception is raised here."""
+    with ThreadPoolExecutor(max_workers=at_once) as pool:
+        futures = {name: pool.submit(call) for name, call in calls.items()}
+    return {name: future.result() for name, future in futures.items()}
 
 
 def start_training(
