@@ -3,10 +3,11 @@ a tiny Qwen2, 2 steps) plus a third entry whose job fails, each scored on the te
 once (--jobs 2, one thread each). Checks every output: results.json, the table, the plot, and the MLflow
 parent run with one child per job, the failed job reported (not dropped) in all of them.
 
-Then the resume (docs/comparison.md, "Resume"): the same two losses one job at a time (--jobs 1, one
-thread), stopped with SIGTERM once its first job's record is written and started again: it trains only
-the missing job, and both give the per-run scores of the --jobs 2 grid; a changed recipe on those
-records is refused, naming the field; a job trained but not scored is scored, not trained again."""
+Then the resume (docs/comparison.md, "Resume"), run beside that grid: the same two losses on the same
+model and data one job at a time (--jobs 1, one thread), stopped with SIGTERM once its first job's record
+is written and started again: it trains only the missing job, and both give the per-run scores of the
+--jobs 2 grid; a changed recipe on those records is refused, naming the field; a job trained but not
+scored is scored, not trained again."""
 
 import json
 import os
@@ -17,6 +18,7 @@ import time
 
 import pytest
 
+from ntil_ds.comparison.plan import prepare_inputs
 from tests.conftest import REPO_ROOT
 from tests.distributed.training_runs import launch_env, train_metrics
 
@@ -27,10 +29,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.timeout(180
 FAILING = "ntil:train.global_batch_size=3"
 
 
-@pytest.fixture(scope="module")
-def comparison(tmp_path_factory):
-    out = tmp_path_factory.mktemp("compare")
-    command = [
+def _harness_command(out):
+    """The harness grid: it writes its tiny model and data itself, then trains two jobs at a time."""
+    return [
         sys.executable,
         "launch/compare.py",
         "--config",
@@ -60,10 +61,30 @@ def comparison(tmp_path_factory):
         "eval.generate_samples=4",
         "eval.max_new_tokens=4",
     ]
-    result = subprocess.run(
-        command, cwd=REPO_ROOT, env=launch_env(), capture_output=True, text=True, timeout=1700
+
+
+@pytest.fixture(scope="module")
+def grids(tmp_path_factory):
+    """The module's two grids, run side by side (each leaves a core idle part of its time): the harness
+    grid to its end, and beside it the resume grid (below) stopped after its first record and started
+    again to its end."""
+    out = tmp_path_factory.mktemp("compare")
+    with open(out / "compare.stdout", "w") as stdout, open(out / "compare.stderr", "w") as stderr:
+        command = _harness_command(out)
+        harness = subprocess.Popen(command, cwd=REPO_ROOT, env=launch_env(), stdout=stdout, stderr=stderr)
+        try:
+            resumed = _stopped_and_resumed(tmp_path_factory)
+        finally:
+            returncode = harness.wait(timeout=1700)
+    result = subprocess.CompletedProcess(
+        command, returncode, (out / "compare.stdout").read_text(), (out / "compare.stderr").read_text()
     )
-    return out, result
+    return (out, result), resumed
+
+
+@pytest.fixture(scope="module")
+def comparison(grids):
+    return grids[0]
 
 
 def test_results_json_holds_every_run_and_the_summary(comparison):
@@ -157,8 +178,9 @@ def test_mlflow_parent_with_a_child_per_job(comparison):
 # ---- resume -------------------------------------------------------------------------------------------
 
 
-def _resume_command(grid, out, *extra):
-    """The harness grid's ce and ntl jobs on its model and data, one job at a time, one thread."""
+def _resume_command(inputs, out, *extra):
+    """The harness grid's ce and ntl jobs on the same model and data (``inputs``), one job at a time, one
+    thread."""
     return [
         sys.executable,
         "launch/compare.py",
@@ -177,11 +199,11 @@ def _resume_command(grid, out, *extra):
         "--out",
         str(out),
         "--test",
-        str(grid / "data" / "test.jsonl"),
-        f"model.name_or_path={grid / 'model'}",
+        str(inputs / "data" / "test.jsonl"),
+        f"model.name_or_path={inputs / 'model'}",
         "model.init=random",
-        f"data.train_file={grid / 'data' / 'train.jsonl'}",
-        f"data.eval_file={grid / 'data' / 'val.jsonl'}",
+        f"data.train_file={inputs / 'data' / 'train.jsonl'}",
+        f"data.eval_file={inputs / 'data' / 'val.jsonl'}",
         "train.max_steps=2",
         "train.micro_batch_size=2",
         "train.global_batch_size=2",
@@ -201,14 +223,16 @@ def _compare(command, timeout=900):
     )
 
 
-@pytest.fixture(scope="module")
-def resumed(comparison, tmp_path_factory):
-    """The resume grid stopped after its first record, then started again to its end."""
-    grid, _ = comparison
+def _stopped_and_resumed(tmp_path_factory):
+    """The resume grid on its own copy of the harness grid's model and data (the same function writes
+    them, with the same seed: the jobs' identities, content digests, must come out the same), stopped
+    after its first record, then started again to its end."""
+    inputs = tmp_path_factory.mktemp("resume-inputs")
+    prepare_inputs(inputs, "qwen2", "arithmetic:40:easy")
     out = tmp_path_factory.mktemp("resume")
     records = out / "records" / "paired"
     first = subprocess.Popen(
-        _resume_command(grid, out), cwd=REPO_ROOT, env=launch_env(), stdout=subprocess.PIPE, text=True
+        _resume_command(inputs, out), cwd=REPO_ROOT, env=launch_env(), stdout=subprocess.PIPE, text=True
     )
     deadline = time.monotonic() + 600
     while not (records.is_dir() and any(records.glob("*.json"))) and first.poll() is None:
@@ -217,8 +241,20 @@ def resumed(comparison, tmp_path_factory):
     first.send_signal(signal.SIGTERM)  # the second job has just started: it needs more than 10 s
     stopped_out, _ = first.communicate(timeout=120)
     kept = {p.name: p.read_bytes() for p in records.glob("*.json")}
-    again = _compare(_resume_command(grid, out))
-    return {"out": out, "stopped": first.returncode, "stopped_out": stopped_out, "kept": kept, "again": again}
+    again = _compare(_resume_command(inputs, out))
+    return {
+        "inputs": inputs,
+        "out": out,
+        "stopped": first.returncode,
+        "stopped_out": stopped_out,
+        "kept": kept,
+        "again": again,
+    }
+
+
+@pytest.fixture(scope="module")
+def resumed(grids):
+    return grids[1]
 
 
 def test_a_stopped_grid_trains_only_the_missing_job_and_equals_the_grid_never_stopped(comparison, resumed):
@@ -248,25 +284,25 @@ def test_a_stopped_grid_trains_only_the_missing_job_and_equals_the_grid_never_st
     assert report["complete"] and report["threads"] == 1 and report["jobs"] == 1
 
 
-def test_a_changed_recipe_on_the_same_records_is_refused_naming_the_field(comparison, resumed):
-    grid, _ = comparison
-    changed = _compare(_resume_command(grid, resumed["out"], "train.max_steps=3"), timeout=300)
+def test_a_changed_recipe_on_the_same_records_is_refused_naming_the_field(resumed):
+    changed = _compare(_resume_command(resumed["inputs"], resumed["out"], "train.max_steps=3"), timeout=300)
     assert changed.returncode != 0
     assert "holds the records of another grid" in changed.stderr, changed.stderr[-2000:]
     assert "recipe.train.max_steps: was 2, now 3" in changed.stderr
-    more_threads = _compare([*_resume_command(grid, resumed["out"]), "--threads", "2"], timeout=300)
+    more_threads = _compare(
+        [*_resume_command(resumed["inputs"], resumed["out"]), "--threads", "2"], timeout=300
+    )
     assert more_threads.returncode != 0 and "threads: was 1, now 2" in more_threads.stderr
 
 
-def test_a_trained_but_unscored_job_is_scored_not_trained_again(comparison, resumed):
-    grid, _ = comparison
+def test_a_trained_but_unscored_job_is_scored_not_trained_again(resumed):
     out = resumed["out"]
     record = out / "records" / "paired" / "ntl-seed0.json"
     scored = json.loads(record.read_text())
     record.unlink()  # as if stopped between its training and its scoring
     log = out / "runs" / "ntl-seed0" / "train.log"
     trained_at = os.stat(log).st_mtime_ns
-    again = _compare(_resume_command(grid, out), timeout=600)
+    again = _compare(_resume_command(resumed["inputs"], out), timeout=600)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert "trained earlier" in (out / "runs" / "ntl-seed0" / "worker.log").read_text()
     assert os.stat(log).st_mtime_ns == trained_at  # the training job did not run again
