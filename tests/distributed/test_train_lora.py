@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import math
+from functools import partial
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +20,7 @@ import torch
 from tests.distributed.test_train_zero3 import base_overrides
 from tests.distributed.training_runs import (
     kill_after_checkpoint,
+    run_together,
     run_training,
     tiny_model_and_data,
     train_metrics,
@@ -36,6 +39,15 @@ LORA = {
     "lora.merge_on_export": "true",
     "model.freeze_vision_tower": "true",
     "optim.lr": 1e-2,
+}
+
+QLORA = {
+    **LORA,
+    "lora.quantize": "nf4",
+    "lora.head": "number_rows",  # (LoRA above keeps lora.modules_to_save=lm_head: the old spelling of full)
+    "lora.modules_to_save": "",
+    "train.max_steps": 4,
+    "train.save_every": 2,
 }
 
 
@@ -58,14 +70,33 @@ def _base_model(model_dir):
     return AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(setup):
-    root, model_dir, data_file = setup
-    out = root / "uninterrupted"
-    overrides = {**base_overrides(model_dir, data_file, out), **LORA, "train.export_at_end": "true"}
+def _trained(overrides: dict) -> tuple[Path, str]:
+    """A job run to its end: its output folder and log."""
     result = run_training(overrides)
     assert result.returncode == 0, result.stdout[-6000:]
-    return out, result.stdout
+    return Path(str(overrides["output_dir"])), result.stdout
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_jobs(setup):
+    """The module's two uninterrupted jobs, run together: LoRA on ZeRO-3, and QLoRA on ZeRO-2."""
+    root, model_dir, data_file = setup
+    lora = {
+        **base_overrides(model_dir, data_file, root / "uninterrupted"),
+        **LORA,
+        "train.export_at_end": "true",
+    }
+    qlora = {
+        **base_overrides(model_dir, data_file, root / "qlora_zero2"),
+        **QLORA,
+        "deepspeed": "configs/deepspeed/zero2.json",
+    }
+    return run_together({"lora": partial(_trained, lora), "qlora_zero2": partial(_trained, qlora)})
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(uninterrupted_jobs):
+    return uninterrupted_jobs["lora"]
 
 
 def _peft_reference(model_dir, export_dir, masters):
@@ -172,28 +203,9 @@ def test_killed_lora_job_resumes_to_the_same_losses(setup, uninterrupted):
             assert metrics[step][key] == pytest.approx(reference[step][key], rel=1e-6, abs=1e-7), (step, key)
 
 
-QLORA = {
-    **LORA,
-    "lora.quantize": "nf4",
-    "lora.head": "number_rows",  # (LoRA above keeps lora.modules_to_save=lm_head: the old spelling of full)
-    "lora.modules_to_save": "",
-    "train.max_steps": 4,
-    "train.save_every": 2,
-}
-
-
 @pytest.fixture(scope="module")
-def qlora_zero2(setup):
-    root, model_dir, data_file = setup
-    out = root / "qlora_zero2"
-    overrides = {
-        **base_overrides(model_dir, data_file, out),
-        **QLORA,
-        "deepspeed": "configs/deepspeed/zero2.json",
-    }
-    result = run_training(overrides)
-    assert result.returncode == 0, result.stdout[-6000:]
-    return out, result.stdout
+def qlora_zero2(uninterrupted_jobs):
+    return uninterrupted_jobs["qlora_zero2"]
 
 
 @pytest.mark.timeout(1200)

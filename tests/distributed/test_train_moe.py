@@ -21,13 +21,20 @@ import json
 import random
 import re
 import shutil
+from functools import partial
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from ntil_ds.jobs import REPO_ROOT
-from tests.distributed.training_runs import kill_after_checkpoint, launch_env, run_training, train_metrics
+from tests.distributed.training_runs import (
+    kill_after_checkpoint,
+    launch_env,
+    run_together,
+    run_training,
+    train_metrics,
+)
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -166,18 +173,29 @@ def run_moe_steps(root, folder, data_file, name: str, nproc: int, micro_batch_si
 
 
 @pytest.fixture(scope="module")
-def reference(moe_setup):
-    """One process, the whole global batch of each step as 4 micro-batches of one sample: the same
-    micro-batches as the split run's, since the aux loss of a micro-batch is not additive over samples
-    (a product of two means) and so, like NTIL's terms, legitimately depends on the split."""
+def layouts(moe_setup):
+    """Run together: one process, the whole global batch of each step as 4 micro-batches of one sample
+    (the same micro-batches as the split run's, since the aux loss of a micro-batch is not additive over
+    samples, a product of two means, and so, like NTIL's terms, legitimately depends on the split); and 2
+    ZeRO-3 ranks, one sample a micro-batch."""
     root, folder, data_file, _ = moe_setup
-    return run_moe_steps(root, folder, data_file, "single", nproc=1, micro_batch_size=1)
+    return run_together(
+        {
+            name: partial(run_moe_steps, root, folder, data_file, name, nproc=nproc, micro_batch_size=1)
+            for name, nproc in (("single", 1), ("split", 2))
+        }
+    )
+
+
+@pytest.fixture(scope="module")
+def reference(layouts):
+    return layouts["single"]
 
 
 @pytest.mark.timeout(900)
-def test_disjoint_experts_on_two_zero3_ranks_equal_one_process(moe_setup, reference):
-    root, folder, data_file, dataset = moe_setup
-    split = run_moe_steps(root, folder, data_file, "split", nproc=2, micro_batch_size=1)
+def test_disjoint_experts_on_two_zero3_ranks_equal_one_process(moe_setup, layouts, reference):
+    _, folder, _, dataset = moe_setup
+    split = layouts["split"]
 
     # The routing the weights force: every forward of rank 0 used experts {0, 1} only, rank 1's {2, 3}
     # (2 layers x 2 micro-batches x STEPS); the one process's forwards alternate between the two.
@@ -241,10 +259,16 @@ def test_disjoint_experts_zero2_lora_killed_and_resumed_equal_one_process(moe_se
     apart, and the merged exports equal. Its first step also equals the full fine-tuning reference's
     (the adapters start at zero: the same forward)."""
     root, folder, data_file, _ = moe_setup
-    lora_one = run_moe_steps(root, folder, data_file, "lora_single", nproc=1, micro_batch_size=1, **LORA)
     split = {**LORA, "train.save_every": 1}
     overrides = moe_overrides(root, folder, data_file, "lora_split", nproc=2, micro_batch_size=1, **split)
-    kill_after_checkpoint(overrides, 1, log_path=root / "lora_killed.log", timeout=JOB_TIMEOUT_S)
+    lora_one = run_together(  # the one-process reference beside the job that is killed
+        {
+            "one": partial(run_moe_steps, root, folder, data_file, "lora_single", 1, 1, **LORA),
+            "killed": partial(
+                kill_after_checkpoint, overrides, 1, log_path=root / "lora_killed.log", timeout=JOB_TIMEOUT_S
+            ),
+        }
+    )["one"]
     out = root / "lora_split"
     # The kill lands once step 1's checkpoint is complete, but a fast job can save later ones before it
     # dies (CI saw step 3's): they are removed, so the job always resumes from step 1.

@@ -14,12 +14,18 @@ already prefetched (resume exactness).
 from __future__ import annotations
 
 import json
+from functools import partial
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.distributed.training_runs import run_training, train_metrics, write_mixed_arithmetic_data
+from tests.distributed.training_runs import (
+    run_together,
+    run_training,
+    train_metrics,
+    write_mixed_arithmetic_data,
+)
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -77,19 +83,16 @@ def train(root, model_dir, data_file, name: str, nproc: int, extra: dict) -> dic
 @pytest.mark.timeout(1200)
 def test_packed_two_ranks_equal_unpacked_one_process(pretrained_tiny_model):
     root, model_dir, data_file = pretrained_tiny_model
-    reference = train(root, model_dir, data_file, "unpacked", nproc=1, extra={"train.micro_batch_size": 8})
-    packed = train(
-        root,
-        model_dir,
-        data_file,
-        "packed",
-        nproc=2,
-        extra={
-            "train.micro_batch_size": 1,
-            "data.max_tokens_per_micro_batch": 96,
-            "data.num_workers": 1,
-        },
+    packing = {"train.micro_batch_size": 1, "data.max_tokens_per_micro_batch": 96, "data.num_workers": 1}
+    runs = run_together(
+        {
+            "unpacked": partial(
+                train, root, model_dir, data_file, "unpacked", 1, {"train.micro_batch_size": 8}
+            ),
+            "packed": partial(train, root, model_dir, data_file, "packed", 2, packing),
+        }
     )
+    reference, packed = runs["unpacked"], runs["packed"]
     # packing happened: 4 samples of 43-50 tokens per rank make rows of 1 or 2 under the 96-token budget,
     # 2 or 3 forwards (ignored, micro_batch_size=1 would make 4); the reference takes 1 of 8 samples
     assert packed["metrics"][1]["micro_batches"] in (2, 3)
