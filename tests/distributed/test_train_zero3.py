@@ -8,12 +8,12 @@ reference, the export check.
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import random
 import re
 import subprocess
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -294,19 +294,20 @@ def family_runs(request, tmp_path_factory) -> dict[str, tuple[Path, subprocess.C
         if item.originalname == "test_other_families_ntil_loss_falls_and_export_reloads"
     }
 
-    jobs = {}
+    outs, jobs = {}, {}
     for kind in sorted(selected):  # the inputs one after the other, the jobs together
         root, model_dir, data_file = tiny_model_and_data(
             tmp_path_factory.mktemp(kind), kind, n=48, image_size=OTHER_FAMILIES[kind]
         )
+        outs[kind] = root / "run"
         overrides = {
-            **base_overrides(model_dir, data_file, root / "run"),
+            **base_overrides(model_dir, data_file, outs[kind]),
             "train.save_every": 0,
             "train.export_at_end": "true",
         }
-        jobs[kind] = functools.partial(run_training, overrides)
+        jobs[kind] = partial(run_training, overrides)
     finished = run_together(jobs)
-    return {kind: (jobs[kind].args[0]["output_dir"], finished[kind]) for kind in jobs}
+    return {kind: (outs[kind], finished[kind]) for kind in jobs}
 
 
 @pytest.mark.timeout(1200)
