@@ -107,6 +107,8 @@ def assert_same_training(run: dict, reference: dict, initial: dict) -> None:
 
 
 ZERO2_OPTIONS = {"deepspeed": ZERO2, "train.save_every": 1}
+# Two ranks, one sample a micro-batch, the head only where the targets are (the default).
+TWO_RANKS = {"nproc": 2, "micro_batch_size": 1, "logits": "labelled"}
 
 
 @pytest.fixture(scope="module")
@@ -115,12 +117,11 @@ def layouts(pretrained_tiny_model):
     everywhere (loss.logits=all, the reference), and two ranks of one sample a micro-batch with the head
     only where the targets are (the default) on ZeRO-3 and on ZeRO-2 (saving every step)."""
     root, model_dir, data_file = pretrained_tiny_model
-    two_ranks = {"nproc": 2, "micro_batch_size": 1, "logits": "labelled"}
     return run_together(
         {
             "single": partial(run_steps, root, model_dir, data_file, "single", 1, 4, "all"),
-            "split": partial(run_steps, root, model_dir, data_file, "split", **two_ranks),
-            "zero2": partial(run_steps, root, model_dir, data_file, "zero2", **two_ranks, **ZERO2_OPTIONS),
+            "split": partial(run_steps, root, model_dir, data_file, "split", **TWO_RANKS),
+            "zero2": partial(run_steps, root, model_dir, data_file, "zero2", **TWO_RANKS, **ZERO2_OPTIONS),
         }
     )
 
@@ -150,9 +151,7 @@ def test_full_fine_tuning_on_zero2_equals_one_process_and_resumes_to_the_same_ex
     # Resume: the step-2 checkpoint and the export gone, the job continues from step 1 (resume=auto).
     shutil.rmtree(zero2["out"] / "checkpoints" / f"step_{STEPS:08d}")
     shutil.rmtree(zero2["out"] / "export")
-    resumed = run_steps(
-        root, model_dir, data_file, "zero2", nproc=2, micro_batch_size=1, logits="labelled", **ZERO2_OPTIONS
-    )
+    resumed = run_steps(root, model_dir, data_file, "zero2", **TWO_RANKS, **ZERO2_OPTIONS)
     assert "resumed from" in resumed["log"] and "step_00000001" in resumed["log"], resumed["log"][-3000:]
     # The resumed job trained step 2 only: its step-1 record is the first job's (so step 2 and the export
     # are what the comparison checks).
