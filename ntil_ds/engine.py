@@ -93,14 +93,36 @@ def unlink_cpu_allreduce_workspace(environ: Mapping[str, str], rank: int) -> Pat
     """
     if get_accelerator().device_name() != "cpu":
         return None
-    # The name shm.cpp's shm_initialize gives it, under /dev/shm where glibc's shm_open puts it.
-    master = f"{environ.get('MASTER_ADDR', '')}_{environ.get('MASTER_PORT', '')}"
-    path = Path("/dev/shm") / f"deepspeed_allreduce_buffer_{os.getuid()}_{master}_{rank}"
+    path = cpu_allreduce_workspace_path(environ, rank)
     try:
         path.unlink()
     except FileNotFoundError:  # not made: ranks on several hosts, or another launcher (no LOCAL_SIZE)
         return None
     return path
+
+
+def unlink_cpu_allreduce_workspace_of_started_group() -> Path | None:
+    """:func:`unlink_cpu_allreduce_workspace` for a process group that someone else started (the Hugging Face
+    Trainer, through accelerate): COLLECTIVE where there is a workspace, so every rank must call it.
+
+    A rank may only unlink its workspace once every rank has mapped it, that is once every rank has
+    returned from DeepSpeed's init: the barrier says so. Whether there is one is the same on every rank
+    (DeepSpeed makes one per rank or none), so the ranks agree on whether to take the barrier.
+    """
+    if not dist.is_initialized() or get_accelerator().device_name() != "cpu":
+        return None
+    rank = dist.get_rank()
+    if not cpu_allreduce_workspace_path(os.environ, rank).exists():
+        return None
+    dist.barrier()
+    return unlink_cpu_allreduce_workspace(os.environ, rank)
+
+
+def cpu_allreduce_workspace_path(environ: Mapping[str, str], rank: int) -> Path:
+    """Where DeepSpeed's CPU allreduce puts this rank's workspace: the name shm.cpp's shm_initialize gives
+    it, under /dev/shm where glibc's shm_open puts it."""
+    master = f"{environ.get('MASTER_ADDR', '')}_{environ.get('MASTER_PORT', '')}"
+    return Path("/dev/shm") / f"deepspeed_allreduce_buffer_{os.getuid()}_{master}_{rank}"
 
 
 def device_for(local_rank: int) -> torch.device:

@@ -26,6 +26,7 @@ The loss's parts (``ce``, ``ntil``, ``emd``, ``rel``, ``mag``) go into the train
 
 from __future__ import annotations
 
+import sys
 import types
 from typing import Any, Literal
 
@@ -156,7 +157,7 @@ def attach_ntil(
 ) -> NTILComputeLoss:
     """Train ``trainer`` (a ``transformers.Trainer`` or TRL ``SFTTrainer``, already built) with NTIL: the
     recipe's ``loss.*`` keys as keyword arguments (:func:`ntil_ds.integrations.ntil_loss`). Returns the hook,
-    whose ``.loss`` is the :class:`NTILLoss`."""
+    whose ``.loss`` is the :class:`NTILLoss`. Call it on every rank (under DeepSpeed on CPU it takes a barrier)."""
     _check_trainer(trainer)
     loss = ntil_loss(tokenizer_or_processor, **loss_keys)
     if not isinstance(loss, NTILLoss):
@@ -175,6 +176,13 @@ def attach_ntil(
     if head == "labelled":
         trainer.compute_loss = types.MethodType(_labelled_compute_loss, trainer)
     report_parts(trainer, hook.meter)
+    # Only if the Trainer runs DeepSpeed (then it imported it): the adapter never imports DeepSpeed for nothing.
+    if "deepspeed" in sys.modules:
+        from ntil_ds.engine import unlink_cpu_allreduce_workspace_of_started_group
+
+        # On CPU, DeepSpeed's allreduce leaves 64 MiB per rank in /dev/shm after the job (engine.py says why);
+        # the process group exists once the Trainer is built, so it is unlinked here, on every rank.
+        unlink_cpu_allreduce_workspace_of_started_group()
     return hook
 
 

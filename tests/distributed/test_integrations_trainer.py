@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -70,11 +71,12 @@ def test_trainer_with_ntil_on_zero3_equals_ntil_ds_trainer(tmp_path, kind, head)
         "train.save_every": 0, "train.export_at_end": "false", "tracking.enabled": "false", "resume": "none",
         "deepspeed": ZERO3,
     }, launch_env())  # fmt: skip
+    command = launcher_command("deepspeed", 2, HF_JOB, [
+        "--model", str(folder), "--data", str(data), "--deepspeed-json", str(ZERO3), "--out", str(logged),
+        "--head", head, "--micro", str(MICRO), "--accumulate", str(ACCUMULATE), "--steps", str(STEPS),
+        "--lr", str(LR), "--eps", str(EPS)])  # fmt: skip
     theirs = subprocess.Popen(
-        launcher_command("deepspeed", 2, HF_JOB, [
-            "--model", str(folder), "--data", str(data), "--deepspeed-json", str(ZERO3), "--out", str(logged),
-            "--head", head, "--micro", str(MICRO), "--accumulate", str(ACCUMULATE), "--steps", str(STEPS),
-            "--lr", str(LR), "--eps", str(EPS)]),
+        command,
         cwd=REPO_ROOT, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     for job in (ours, theirs):
@@ -88,3 +90,6 @@ def test_trainer_with_ntil_on_zero3_equals_ntil_ds_trainer(tmp_path, kind, head)
         for name in ("loss", "ce", "emd", "rel", "mag", "ntil"):
             assert record[name] == pytest.approx(want[name], rel=1e-5, abs=1e-7), (record["step"], name)
         assert record["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4), record["step"]
+    # DeepSpeed's CPU allreduce made a workspace per rank in /dev/shm; attach_ntil unlinked them (none outlives it)
+    port = command[command.index("--master_port") + 1]
+    assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
