@@ -111,11 +111,12 @@ def unlink_cpu_allreduce_workspace_of_started_group() -> Path | None:
     """
     if not dist.is_initialized() or get_accelerator().device_name() != "cpu":
         return None
-    rank = dist.get_rank()
-    if not cpu_allreduce_workspace_path(os.environ, rank).exists():
+    path = cpu_allreduce_workspace_path(os.environ, dist.get_rank())
+    if not path.exists():
         return None
     dist.barrier()
-    return unlink_cpu_allreduce_workspace(os.environ, rank)
+    path.unlink()
+    return path
 
 
 def cpu_allreduce_workspace_path(environ: Mapping[str, str], rank: int) -> Path:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +21,7 @@ import torch
 from ntil_ds.jobs import REPO_ROOT, TRAIN_SCRIPT, launcher_command
 from tests.distributed.tiny_llm import tiny_qwen2_folder, write_sum_data
 from tests.distributed.training_runs import (
+    allreduce_workspaces_left,
     finish_training,
     launch_env,
     start_training,
@@ -92,4 +92,4 @@ def test_trainer_with_ntil_on_zero3_equals_ntil_ds_trainer(tmp_path, kind, head)
         assert record["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4), record["step"]
     # DeepSpeed's CPU allreduce made a workspace per rank in /dev/shm; attach_ntil unlinked them (none outlives it)
     port = command[command.index("--master_port") + 1]
-    assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
+    assert not allreduce_workspaces_left(port)

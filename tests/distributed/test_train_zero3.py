@@ -21,6 +21,7 @@ import torch
 
 from ntil_ds.config import load_config
 from tests.distributed.training_runs import (
+    allreduce_workspaces_left,
     kill_after_checkpoint,
     run_together,
     run_training,
@@ -202,7 +203,7 @@ def test_deepspeed_cpu_allreduce_workspaces_are_not_left_in_shared_memory(uninte
     unlinked = [line for line in log.splitlines() if "allreduce workspaces unlinked" in line]
     # made, named as computed from the launcher's address and port, and unlinked (rank 0 says so)
     assert len(unlinked) == 1 and unlinked[0].endswith(f"_127.0.0.1_{port}_0"), unlinked
-    assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
+    assert not allreduce_workspaces_left(port)
 
 
 @pytest.mark.timeout(1500)

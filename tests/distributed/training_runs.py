@@ -67,6 +67,12 @@ def run_together(calls: dict[str, Callable[[], T]], at_once: int = 4) -> dict[st
     return {name: future.result() for name, future in futures.items()}
 
 
+def allreduce_workspaces_left(port: str) -> list[Path]:
+    """DeepSpeed's CPU allreduce workspaces (one per rank) still in /dev/shm of the job whose launcher used
+    ``port`` as its master port: none once the job has ended, if they were unlinked."""
+    return list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
+
+
 def start_training(
     nproc: int, script: Path, overrides: dict[str, object], env: dict[str, str], recipe: Path = TINY_RECIPE
 ) -> subprocess.Popen:
